@@ -1,0 +1,187 @@
+"""The public entry point: ``dot_product_attention`` and one named function per
+method, shaped like ``jax.nn.dot_product_attention``."""
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import base
+
+IMPLEMENTATIONS = (None, "reference", "pallas")
+_FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+
+
+def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
+  for name, x in (("query", query), ("key", key), ("value", value)):
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+      raise TypeError(f"{name} must be an array, got {type(x).__name__}")
+    if x.ndim not in (3, 4):
+      raise ValueError(
+          f"{name} must have rank 4 [batch, seq, heads, head_dim] (or 3 "
+          f"without batch), got shape {x.shape}")
+    if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
+      raise TypeError(
+          f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+  if not query.ndim == key.ndim == value.ndim:
+    raise ValueError("query, key and value must have the same rank, got "
+                     f"{query.shape}, {key.shape}, {value.shape}")
+  b, t, nq, d = query.shape
+  bk, s, nk, dk = key.shape
+  if bk != b or value.shape[0] != b:
+    raise ValueError(f"batch sizes differ: query {b}, key {bk}, "
+                     f"value {value.shape[0]}")
+  if dk != d:
+    raise ValueError(f"query and key head dims differ: {d} vs {dk}")
+  if value.shape[1] != s or value.shape[2] != nk:
+    raise ValueError(f"key {key.shape} and value {value.shape} must agree on "
+                     "sequence length and heads")
+  if value.shape[3] != d:
+    raise ValueError(f"value head dim {value.shape[3]} must equal the query "
+                     f"head dim {d}")
+  if t < 1 or s < 1 or d < 1 or nq < 1 or nk < 1:
+    raise ValueError(f"empty dimension in query {query.shape} or key "
+                     f"{key.shape}")
+  if d > 256:
+    raise ValueError(f"head_dim {d} > 256 is not supported")
+  if nq % nk:
+    raise ValueError(f"query heads ({nq}) must be a multiple of key/value "
+                     f"heads ({nk})")
+  full = (b, nq, t, s)
+  if bias is not None:
+    try:
+      bias = jnp.broadcast_to(jnp.asarray(bias), full)
+    except (ValueError, TypeError) as e:
+      raise ValueError(f"bias of shape {jnp.shape(bias)} does not broadcast "
+                       f"to [batch, heads, q_len, kv_len] = {full}") from e
+    if not jnp.issubdtype(bias.dtype, jnp.floating):
+      raise TypeError(f"bias must be floating, got {bias.dtype}")
+  if mask is not None:
+    mask = jnp.asarray(mask)
+    if mask.dtype != jnp.bool_:
+      raise TypeError(f"mask must be boolean, got {mask.dtype}")
+    try:
+      mask = jnp.broadcast_to(mask, full)
+    except ValueError as e:
+      raise ValueError(f"mask of shape {mask.shape} does not broadcast to "
+                       f"[batch, heads, q_len, kv_len] = {full}") from e
+  if key_value_seq_lengths is None:
+    kv_lens = jnp.full((b,), s, jnp.int32)
+  else:
+    kv_lens = jnp.asarray(key_value_seq_lengths)
+    if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype, jnp.integer):
+      raise ValueError("key_value_seq_lengths must be an integer array of "
+                       f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
+    if not isinstance(kv_lens, jax.core.Tracer):
+      lo, hi = int(np.min(kv_lens)), int(np.max(kv_lens))
+      if lo < 0 or hi > s:
+        raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
+                         f"values in [{lo}, {hi}]")
+    kv_lens = jnp.clip(kv_lens, 0, s).astype(jnp.int32)
+  return bias, mask, kv_lens
+
+
+def _has_gpu() -> bool:
+  try:
+    return any(dev.platform == "gpu" for dev in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def resolve_implementation(implementation, method: base.Method) -> str:
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
+                     f"{implementation!r}")
+  if implementation is None:
+    return "pallas" if method.pallas is not None and _has_gpu() else "reference"
+  if implementation == "pallas" and method.pallas is None:
+    raise NotImplementedError(
+        f"method {method.name!r} has no Pallas kernel yet; use "
+        "implementation='reference'")
+  return implementation
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "method", "implementation", "scale", "is_causal", "config"))
+def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
+               is_causal, config):
+  m = base.get_method(method)
+  fn = m.reference if implementation == "reference" else m.pallas
+  out = fn(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
+           config=config)
+  if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
+    return out
+  return out.astype(q.dtype)
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *,
+                          scale: float | None = None, is_causal: bool = False,
+                          key_value_seq_lengths=None, method: str = "fp32",
+                          implementation: str | None = None,
+                          **options: Any):
+  """Scaled dot-product attention, a drop-in for
+  ``jax.nn.dot_product_attention`` with a choice of low-precision ``method``.
+
+  Args:
+    query: ``[B, T, N, H]`` (or ``[T, N, H]``), float16/bfloat16/float32.
+    key, value: ``[B, S, K, H]``; ``N`` must be a multiple of ``K``
+      (grouped-query attention); ``S`` may differ from ``T``.
+    bias: float, broadcastable to ``[B, N, T, S]``, added to the scaled
+      scores.
+    mask: bool, broadcastable to ``[B, N, T, S]``; True keeps a score.
+    scale: softmax scale, default ``1/sqrt(H)``.
+    is_causal: top-left aligned causal mask (query ``i`` sees keys
+      ``0..i``), as ``jax.nn.dot_product_attention``.
+    key_value_seq_lengths: int ``[B]``, keys at or beyond it are masked.
+    method: one of ``jaxattn.METHODS`` ("fp32", "fp16_fp32", "fp16", "pasa",
+      "sage", "int8", "fmha_int8", "fp8").
+    implementation: None (Pallas kernel on a GPU when the method has one,
+      the reference otherwise), "reference" or "pallas" (interpret mode
+      without a GPU).
+    **options: the method's options (its configuration dataclass fields);
+      unknown ones raise ``TypeError``.
+
+  Returns:
+    ``[B, T, N, H]`` in the query dtype.  Rows that see no key are zero;
+    NaN/Inf in the inputs propagate to the rows they reach.  Methods with an
+    integer output option (``fmha_int8`` with ``return_int8=True``) return a
+    tuple as documented there.
+  """
+  m = base.get_method(method)
+  config = m.config_cls.from_options(**options)
+  unbatched = getattr(query, "ndim", 0) == 3
+  if unbatched:
+    query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
+    if bias is not None:
+      bias = jnp.asarray(bias)
+      bias = bias[None] if bias.ndim == 3 else bias
+    if mask is not None:
+      mask = jnp.asarray(mask)
+      mask = mask[None] if mask.ndim == 3 else mask
+  bias, mask, kv_lens = _check_inputs(query, key, value, bias, mask,
+                                      key_value_seq_lengths)
+  impl = resolve_implementation(implementation, m)
+  scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
+  out = _attention(query, key, value, bias, mask, kv_lens, method=method,
+                   implementation=impl, scale=scale,
+                   is_causal=bool(is_causal), config=config)
+  if unbatched:
+    out = jax.tree_util.tree_map(lambda x: x[0], out)
+  return out
+
+
+def _named(method: str, doc: str):
+  def fn(query, key, value, bias=None, mask=None, *, scale=None,
+         is_causal=False, key_value_seq_lengths=None, implementation=None,
+         **options):
+    return dot_product_attention(
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        key_value_seq_lengths=key_value_seq_lengths, method=method,
+        implementation=implementation, **options)
+  fn.__name__ = f"{method}_attention"
+  fn.__doc__ = (f"{doc}\n\n``dot_product_attention(..., method={method!r})``; "
+                "same signature and options.")
+  return fn

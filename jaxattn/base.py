@@ -1,0 +1,225 @@
+"""Machinery shared by every method: the method registry, configuration
+objects, per-head vmapping and the key-block / mask helpers of the references.
+
+Conventions used throughout jaxattn:
+
+* Public layout is BTNH: ``[batch, seq, heads, head_dim]`` (as
+  ``jax.nn.dot_product_attention``).
+* A *per-head* reference function works on one head::
+
+      fn(q[T, D], k[S, D], v[S, Dv], bias[T, S] | None, mask[T, S] | None,
+         kv_len: int32[], *, scale, is_causal, config, shared) -> float32[T, Dv]
+
+  and :func:`vmap_heads` lifts it to BTNH arrays, mapping query heads onto
+  key/value heads for grouped-query attention without repeating K and V.
+* A key ``j`` is visible to query ``i`` iff ``j < kv_len`` and (not causal or
+  ``j <= i``) and ``mask[i, j]``.  A query row that sees no key returns zeros
+  (its log-sum-exp is ``-inf``).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+DEFAULT_BLOCK_K = 128
+
+
+class MethodConfig:
+  """Base class of the per-method configuration dataclasses (frozen, hashable).
+
+  Subclasses are ``@dataclasses.dataclass(frozen=True)``; their fields are the
+  method's ``**options``.
+  """
+
+  @classmethod
+  def from_options(cls, **options) -> "MethodConfig":
+    names = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(options) - set(names))
+    if unknown:
+      raise TypeError(
+          f"unknown option(s) {unknown} for {cls.__name__}; valid options: "
+          f"{names}")
+    return cls(**options)
+
+
+def check_kernel_knobs(config) -> None:
+  """Validates the optional block sizes / warps / stages of a config."""
+  for name in ("block_q", "block_k", "num_warps", "num_stages"):
+    value = getattr(config, name, None)
+    if value is not None and (not isinstance(value, int) or value < 1):
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
+  for name in ("block_q", "block_k"):
+    value = getattr(config, name, None)
+    if value is not None and value & (value - 1):
+      raise ValueError(f"{name} must be a power of two, got {value}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Method:
+  """A registered attention method.
+
+  ``reference`` and ``pallas`` are batched functions with the signature
+  ``fn(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config)`` on
+  normalised BTNH inputs (bias/mask already broadcast to ``[B, N, T, S]`` or
+  ``None``, ``kv_lens`` int32 ``[B]``) returning float32 ``[B, T, N, Dv]``
+  (or a tuple whose first element is that, see ``returns_tuple``).
+  """
+  name: str
+  config_cls: type
+  reference: Callable[..., Any]
+  pallas: Callable[..., Any] | None = None
+  doc: str = ""
+
+
+_METHODS: dict[str, Method] = {}
+
+
+def register(method: Method) -> Method:
+  _METHODS[method.name] = method
+  return method
+
+
+def attach_pallas(name: str, fn: Callable[..., Any]) -> None:
+  """Sets the Pallas implementation of the registered method ``name``."""
+  _METHODS[name] = dataclasses.replace(get_method(name), pallas=fn)
+
+
+def get_method(name: str) -> Method:
+  if name not in _METHODS:
+    raise ValueError(
+        f"unknown method {name!r}; available: {sorted(_METHODS)}")
+  return _METHODS[name]
+
+
+def methods() -> dict[str, Method]:
+  return dict(_METHODS)
+
+
+# ----------------------------------------------------------------------------
+# Per-head vmapping.
+
+
+def vmap_heads(per_head: Callable[..., Any]) -> Callable[..., Any]:
+  """Lifts a per-head function to BTNH arrays (batch and heads by ``jax.vmap``).
+
+  Query heads ``h`` use key/value head ``h // (Nq // Nk)`` (grouped-query
+  attention); K and V are never repeated.  ``shared`` is passed unmapped.
+  Returns ``[B, T, Nq, Dv]`` (every leaf of the per-head result gets its
+  ``[T, ...]`` axis moved to position 1 and heads to position 2).
+  """
+
+  def batched(q, k, v, bias, mask, kv_lens, *, shared=None, **static):
+    b, t, nq, _ = q.shape
+    nk = k.shape[2]
+    g = nq // nk
+    qh = q.transpose(0, 2, 1, 3).reshape(b, nk, g, t, q.shape[-1])
+    kh = k.transpose(0, 2, 1, 3)
+    vh = v.transpose(0, 2, 1, 3)
+
+    def split(x):  # [B, Nq, T, S] -> [B, Nk, G, T, S]
+      return None if x is None else x.reshape(b, nk, g, *x.shape[2:])
+
+    def head(q1, k1, v1, bias1, mask1, kv_len):
+      return per_head(q1, k1, v1, bias1, mask1, kv_len, shared=shared,
+                      **static)
+
+    bias_ax = None if bias is None else 0
+    mask_ax = None if mask is None else 0
+    f = jax.vmap(head, in_axes=(0, None, None, bias_ax, mask_ax, None))
+    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, None))
+    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, 0))
+    out = f(qh, kh, vh, split(bias), split(mask), kv_lens)
+
+    def to_btnh(x):  # [B, Nk, G, T, ...] -> [B, T, Nq, ...]
+      x = x.reshape(b, nq, *x.shape[3:])
+      return jnp.moveaxis(x, 2, 1)
+
+    return jax.tree_util.tree_map(to_btnh, out)
+
+  return batched
+
+
+# ----------------------------------------------------------------------------
+# Key blocks and masks for the blocked (flash) references.
+
+
+def pad_to_multiple(x, axis: int, multiple: int, value=0):
+  """Pads ``axis`` of ``x`` up to a multiple of ``multiple`` with ``value``."""
+  n = x.shape[axis]
+  extra = -n % multiple
+  if extra == 0:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, extra)
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def key_blocks(x, block_k: int):
+  """``[S, D] -> [S_pad / block_k, block_k, D]`` (zero padded)."""
+  x = pad_to_multiple(x, 0, block_k)
+  return x.reshape(-1, block_k, *x.shape[1:])
+
+
+def column_blocks(x, block_k: int, value=0):
+  """``[T, S] -> [S_pad / block_k, T, block_k]`` padded with ``value``."""
+  x = pad_to_multiple(x, 1, block_k, value)
+  t = x.shape[0]
+  return x.reshape(t, -1, block_k).transpose(1, 0, 2)
+
+
+def visible_blocks(t: int, s: int, block_k: int, kv_len, is_causal: bool,
+                   mask=None):
+  """Boolean ``[S_pad / block_k, T, block_k]``: query ``i`` sees key ``j``."""
+  n_blocks = -(-s // block_k)
+  cols = jnp.arange(n_blocks * block_k).reshape(n_blocks, 1, block_k)
+  rows = jnp.arange(t).reshape(1, t, 1)
+  vis = cols < kv_len
+  if is_causal:
+    vis = vis & (cols <= rows)
+  vis = jnp.broadcast_to(vis, (n_blocks, t, block_k))
+  if mask is not None:
+    vis = vis & column_blocks(mask, block_k, False)
+  return vis
+
+
+def block_inputs(k, v, bias, mask, kv_len, *, t: int, block_k: int,
+                 is_causal: bool):
+  """The ``xs`` of a ``lax.scan`` over key blocks.
+
+  Returns a dict with ``k`` ``[nb, bk, D]``, ``v`` ``[nb, bk, Dv]``,
+  ``visible`` ``[nb, T, bk]`` and, when given, ``bias`` ``[nb, T, bk]``.
+  """
+  xs = dict(
+      k=key_blocks(k, block_k),
+      v=key_blocks(v, block_k),
+      visible=visible_blocks(t, k.shape[0], block_k, kv_len, is_causal, mask),
+  )
+  if bias is not None:
+    xs["bias"] = column_blocks(bias.astype(jnp.float32), block_k)
+  return xs
+
+
+def safe_max(m):
+  """``m`` with ``-inf`` replaced by 0, so that ``exp(s - m)`` of a row that
+  has seen no key yet is ``exp(-inf) = 0`` rather than NaN."""
+  return jnp.where(m == -jnp.inf, jnp.zeros_like(m), m)
+
+
+def finalize(o, l):
+  """``o / l`` with rows that saw no key (``l == 0``) set to zero."""
+  l = l[:, None]
+  safe_l = jnp.where(l == 0, jnp.ones_like(l), l)
+  return jnp.where(l == 0, jnp.zeros_like(o), o / safe_l)
+
+
+def default_scale(head_dim: int) -> float:
+  return 1.0 / math.sqrt(head_dim)
+
+
+def as_numpy_dtype(dtype) -> np.dtype:
+  return np.dtype(jnp.dtype(dtype))

@@ -1,0 +1,230 @@
+"""PASA: online pseudo-average shifting attention (Algorithm 1 of the PASA
+paper, arXiv 2503.01873), float16 end to end without overflow.
+
+Pre-processing (a batched matmul per key block, paper lines 5-7):
+``K'_j^T = K_j^T M`` with the shifting matrix ``M = I - beta J / s2`` rounded
+to the compute dtype exactly as the optimal-beta solver assumes (diagonal
+``fl(1 - beta/s2)``, off-diagonal ``fl(-beta/s2)``), then scaled by the softmax
+scale ``1/alpha``.  Then for each key block, all in the compute dtype:
+
+1. ``S' = Q K'^T``; ``m' = rowmax S'``; ``P = exp(S' - m')``; ``l' = rowsum P``
+2. ``Sbar' = rowmean S'`` over all ``s2`` columns, before any mask
+3. ``F_j = ((j-1) F_{j-1} + Sbar') / j``
+4. ``dm'_{j-1} = beta (F_{j-1} - F_j)/(1-beta)``, ``dm'_j = beta (Sbar' - F_j)/(1-beta)``
+5. ``m_j = max(m_{j-1} + dm'_{j-1}, m' + dm'_j)``,
+   ``dm_{j-1} = m_{j-1} - m_j + dm'_{j-1}``, ``dm_j = m' - m_j + dm'_j``
+6. ``l_j = e^{dm_{j-1}} l_{j-1} + e^{dm_j} l'``, ``O_j = e^{dm_j} P V_j + e^{dm_{j-1}} O_{j-1}``
+
+and finally ``O / l``.  ``beta / (1 - beta)`` is the constant ``fl(beta/(1-beta))``
+(63.5 exactly for the paper's beta = 0.984497).
+
+Decisions beyond the paper (documented in the README):
+
+* A row for which a key block holds no visible key (causal blocks above the
+  diagonal, blocks past ``kv_len``) leaves its state, including its block count
+  ``j``, unchanged, so a kernel that skips such blocks computes the same thing.
+* Keys at or beyond ``kv_len`` (and the zero padding of a partial last block)
+  are replaced, before shifting, by the mean of the visible keys of their
+  block.  They are masked anyway; this keeps padding zeros from cancelling the
+  shift of the real keys (exactness does not depend on the fill value).
+* A bias is added after the pseudo-average is taken (the recovery only adds a
+  per-row constant, so this stays exact).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes  # noqa: F401  (registers float16/bfloat16 rounding in numpy)
+import numpy as np
+
+from jaxattn import base
+
+DEFAULT_BETA0 = 1.0 - 2.0**-6
+
+
+def _invariance(beta: float, n: int, dtype) -> float:
+  """The practical invariance ``Inva1`` of Appendix A for one ``beta``."""
+  dt = base.as_numpy_dtype(dtype)
+  m0 = np.asarray(1.0 - beta / n, np.float64).astype(dt)
+  m1 = np.asarray(-beta / n, np.float64).astype(dt)
+  b = -np.float64(m1)
+  a = np.float64(m0) + b
+  return float(b * n / (a * (a - b * n)) + (1.0 - a) / a)
+
+
+def optimal_beta(beta0: float = DEFAULT_BETA0, n: int = base.DEFAULT_BLOCK_K,
+                 dtype=jnp.float16, tol: float = 1e-8,
+                 max_iter: int = 1000) -> float:
+  """The PASA fixed-point solver (paper Appendix C, Eq. 22).
+
+  With ``b = fl(beta/n)`` and ``a = fl(1 - beta/n) + b`` (``fl`` rounds to
+  ``dtype``; ``a``, ``b`` then in float64), iterates
+  ``beta <- f / (1 + f)``, ``f = b n / (a (a - b n)) + (1 - a)/a``, until the
+  relative change is below ``tol``.  For float16 and ``n = 128`` the starts
+  ``1-2^-4, 1-2^-5, 1-2^-6`` give 0.937500, 0.968994, 0.984497 (Table 3).
+  """
+  if not 0.0 < beta0 < 1.0:
+    raise ValueError(f"beta0 must be in (0, 1), got {beta0}")
+  if n < 1:
+    raise ValueError(f"n must be >= 1, got {n}")
+  beta = float(beta0)
+  for _ in range(max_iter):
+    f = _invariance(beta, n, dtype)
+    new = f / (1.0 + f)
+    if abs(new - beta) <= tol * abs(beta):
+      return new
+    beta = new
+  raise RuntimeError(f"optimal_beta did not converge from {beta0}")
+
+
+@dataclasses.dataclass(frozen=True)
+class PasaConfig(base.MethodConfig):
+  """Options of ``method="pasa"``.
+
+  Attributes:
+    beta: shifting strength in [0, 1); ``None`` = ``optimal_beta(1 - 2^-6,
+      block_k, compute_dtype)`` (0.984497 for float16 and 128-key blocks).
+      ``beta = 0`` is plain flash attention in the compute dtype.
+    block_k: keys per block (``s2``, the size of the shifting matrix).
+    compute_dtype: ``"float16"`` (the paper), or ``"float32"``/``"float64"``
+      to check the mathematical equivalence (reference only).
+    block_q, num_warps, num_stages: Pallas kernel knobs (None = the table in
+      :mod:`pallas_kernels.flash`); the reference ignores them.
+  """
+  beta: float | None = None
+  block_k: int = base.DEFAULT_BLOCK_K
+  compute_dtype: str = "float16"
+  block_q: int | None = None
+  num_warps: int | None = None
+  num_stages: int | None = None
+
+  def __post_init__(self):
+    base.check_kernel_knobs(self)
+    if self.compute_dtype not in ("float16", "float32", "float64"):
+      raise ValueError("compute_dtype must be float16, float32 or float64")
+    if self.beta is not None and not 0.0 <= self.beta < 1.0:
+      raise ValueError(f"beta must be in [0, 1), got {self.beta}")
+
+  @property
+  def resolved_beta(self) -> float:
+    if self.beta is not None:
+      return float(self.beta)
+    return optimal_beta(DEFAULT_BETA0, self.block_k, self.compute_dtype)
+
+
+def shifting_matrix(beta: float, n: int, dtype) -> jax.Array:
+  """``M = I - beta J / n`` rounded to ``dtype`` (paper Eq. 10 without the
+  ``1/alpha`` factor, which :func:`shift_keys` applies afterwards)."""
+  dt = base.as_numpy_dtype(dtype)
+  diag = np.asarray(1.0 - beta / n, np.float64).astype(dt)
+  off = np.asarray(-beta / n, np.float64).astype(dt)
+  m = np.full((n, n), off, dt)
+  np.fill_diagonal(m, diag)
+  return jnp.asarray(m)
+
+
+def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
+               compute_dtype) -> jax.Array:
+  """PASA's key pre-processing: ``K'_j = scale * (M^T K_j)`` per key block.
+
+  Args:
+    k: ``[S, D]`` keys of one head.
+    kv_len: int32 scalar; keys at or beyond it, and the padding of the last
+      block, are replaced by the mean of the block's visible keys.
+  Returns:
+    ``[S_pad / block_k, block_k, D]`` shifted, scaled keys in ``compute_dtype``.
+  """
+  cd = jnp.dtype(compute_dtype)
+  acc = jnp.float64 if cd == jnp.float64 else jnp.float32
+  kb = base.key_blocks(k.astype(cd), block_k)
+  rows = jnp.arange(kb.shape[0] * block_k).reshape(kb.shape[0], block_k, 1)
+  valid = rows < jnp.minimum(kv_len, k.shape[0])
+  count = valid.sum(axis=1, keepdims=True)
+  mean = (jnp.where(valid, kb, 0).astype(acc).sum(axis=1, keepdims=True)
+          / jnp.maximum(count, 1)).astype(cd)
+  kb = jnp.where(valid, kb, mean)
+  m = shifting_matrix(beta, block_k, cd)
+  shifted = jnp.einsum("nm,jnd->jmd", m, kb,
+                       preferred_element_type=acc).astype(cd)
+  return (shifted * jnp.asarray(scale, cd)).astype(cd)
+
+
+def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
+              shared=None, return_lse=False):
+  """One head of PASA (see the module docstring for the equations).
+
+  Args:
+    q: ``[T, D]``; k: ``[S, D]``; v: ``[S, Dv]``, any float dtype (converted
+      to the compute dtype, float16 by default, as the paper prescribes for
+      bfloat16).
+  Returns:
+    float32 ``[T, Dv]`` holding the compute-dtype result.
+  """
+  del shared
+  cd = jnp.dtype(config.compute_dtype)
+  if cd == jnp.float64 and not jax.config.read("jax_enable_x64"):
+    raise ValueError("compute_dtype='float64' needs jax_enable_x64 "
+                     "(jax.config.update('jax_enable_x64', True))")
+  acc = jnp.float64 if cd == jnp.float64 else jnp.float32
+  beta = config.resolved_beta
+  bk = config.block_k
+  inva = jnp.asarray(np.asarray(beta / (1.0 - beta), np.float64)
+                     .astype(base.as_numpy_dtype(cd)))
+  q, v = q.astype(cd), v.astype(cd)
+  t, dv = q.shape[0], v.shape[-1]
+  xs = base.block_inputs(k, v, bias, mask, kv_len, t=t, block_k=bk,
+                         is_causal=is_causal)
+  xs["k"] = shift_keys(k, kv_len, beta=beta, scale=scale, block_k=bk,
+                       compute_dtype=cd)
+
+  def step(carry, x):
+    m, l, o, f, count = carry
+    s = jnp.dot(q, x["k"].T, preferred_element_type=acc).astype(cd)
+    s_mean = (s.astype(acc).sum(axis=-1) / bk).astype(cd)   # step 2
+    if "bias" in x:
+      s = s + x["bias"].astype(cd)
+    s = jnp.where(x["visible"], s, -jnp.inf)
+    m_loc = s.max(axis=-1)                                   # step 1
+    p = jnp.exp(s - base.safe_max(m_loc)[:, None])
+    l_loc = p.astype(acc).sum(axis=-1).astype(cd)
+    j = count + 1
+    f_new = (((j - 1).astype(cd) * f) + s_mean) / j.astype(cd)   # step 3
+    dmp_prev = inva * (f - f_new)                            # step 4
+    dmp_cur = inva * (s_mean - f_new)
+    m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
+    dm_prev = (m - m_new) + dmp_prev
+    dm_cur = (m_loc - m_new) + dmp_cur
+    l_new = jnp.exp(dm_prev) * l + jnp.exp(dm_cur) * l_loc   # step 6
+    pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(cd)
+    o_new = jnp.exp(dm_cur)[:, None] * pv + jnp.exp(dm_prev)[:, None] * o
+    seen = x["visible"].any(axis=-1)
+    keep = lambda new, old: jnp.where(seen.reshape(-1, *[1] * (old.ndim - 1)),
+                                      new, old)
+    return (keep(m_new, m), keep(l_new, l), keep(o_new, o), keep(f_new, f),
+            keep(j, count)), None
+
+  init = (jnp.full((t,), -jnp.inf, cd), jnp.zeros((t,), cd),
+          jnp.zeros((t, dv), cd), jnp.zeros((t,), cd),
+          jnp.zeros((t,), jnp.int32))
+  (m, l, o, f, _), _ = jax.lax.scan(step, init, xs)
+  out = base.finalize(o, l)
+  if return_lse:
+    # Scores are relative to the common reference beta F / (1 - beta).
+    lse = (m.astype(acc) + inva.astype(acc) * f.astype(acc)
+           + jnp.log(l.astype(acc)))
+    return out.astype(jnp.float32), jnp.where(l == 0, -jnp.inf, lse).astype(
+        jnp.float32)
+  return out.astype(jnp.float32)
+
+
+reference = base.vmap_heads(pasa_head)
+
+base.register(base.Method(
+    name="pasa", config_cls=PasaConfig, reference=reference,
+    doc="PASA: float16 attention with online pseudo-average shifting"))
+
+
+__all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "shift_keys",
+           "pasa_head", "reference"]

@@ -1,0 +1,82 @@
+"""Symmetric quantizers shared by the quantized methods.
+
+All quantizers are round-to-nearest-even and symmetric: ``x_q = round(x / s)``
+clipped to ``[-qmax, qmax]`` with ``qmax = 2^(bits-1) - 1`` (127 for int8, 7
+for int4), ``s = amax / qmax``.  A zero scale (an all-zero group) quantizes to
+zeros, never NaN.  float8_e4m3fn quantization uses ``s = amax / 448``.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def qmax(bits: int) -> int:
+  """Largest symmetric integer level: 127 for 8 bits, 7 for 4 bits."""
+  if bits not in (4, 8):
+    raise ValueError(f"bits must be 4 or 8, got {bits}")
+  return 2 ** (bits - 1) - 1
+
+
+def _safe_div(x, scale):
+  safe = jnp.where(scale == 0, jnp.ones_like(scale), scale)
+  return jnp.where(scale == 0, jnp.zeros_like(x), x / safe)
+
+
+def quantize_int(x, scale, bits: int = 8):
+  """``clip(round(x / scale), -qmax, qmax)`` as int8 (int4 values are held in
+  int8 containers; see :func:`pack_int4`).  ``scale`` broadcasts against x."""
+  x = x.astype(jnp.float32)
+  q = jnp.round(_safe_div(x, scale.astype(jnp.float32)))
+  m = qmax(bits)
+  return jnp.clip(q, -m, m).astype(jnp.int8)
+
+
+def quantize_fp8(x, scale):
+  """``fl_e4m3(x / scale)`` (round to nearest even; |x/scale| <= 448 when the
+  scale is ``amax / 448``)."""
+  x = x.astype(jnp.float32)
+  y = jnp.clip(_safe_div(x, scale.astype(jnp.float32)), -FP8_MAX, FP8_MAX)
+  return y.astype(jnp.float8_e4m3fn)
+
+
+def group_absmax(x, group: int, axis: int = 0):
+  """``max |x|`` over consecutive groups of ``group`` entries along ``axis``
+  and over every other axis; shape ``[ceil(n / group)]``.  ``group`` larger
+  than the axis gives one group (a per-tensor amax)."""
+  x = jnp.moveaxis(jnp.abs(x.astype(jnp.float32)), axis, 0)
+  n = x.shape[0]
+  group = max(1, min(group, n))
+  rows = x.reshape(n, -1).max(axis=1)
+  rows = jnp.pad(rows, (0, -n % group))
+  return rows.reshape(-1, group).max(axis=1)
+
+
+def expand_groups(per_group, group: int, n: int):
+  """Repeats ``[ceil(n / group)]`` per-group values to ``[n]`` (one per row)."""
+  return jnp.repeat(per_group, group, axis=0, total_repeat_length=(
+      per_group.shape[0] * group))[:n]
+
+
+def pack_int4(x):
+  """Packs int8 values in ``[-8, 7]`` two per byte along the last axis
+  (even index in the low nibble).  The last axis must be even."""
+  if x.shape[-1] % 2:
+    raise ValueError(f"last axis must be even to pack int4, got {x.shape}")
+  u = x.astype(jnp.uint8) & 0xF
+  return (u[..., 0::2] | (u[..., 1::2] << 4)).astype(jnp.uint8)
+
+
+def unpack_int4(packed):
+  """Inverse of :func:`pack_int4`: uint8 ``[..., n/2]`` -> int8 ``[..., n]``."""
+  p = packed.astype(jnp.uint8)
+  lo = (p & 0xF).astype(jnp.int8)
+  hi = (p >> 4).astype(jnp.int8)
+  lo = jnp.where(lo > 7, lo - 16, lo)
+  hi = jnp.where(hi > 7, hi - 16, hi)
+  return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
+
+
+__all__ = ["FP8_MAX", "qmax", "quantize_int", "quantize_fp8", "group_absmax",
+           "expand_groups", "pack_int4", "unpack_int4"]
