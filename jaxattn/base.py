@@ -217,6 +217,15 @@ def finalize(o, l):
   return jnp.where(l == 0, jnp.zeros_like(o), o / safe_l)
 
 
+LOG2E = math.log2(math.e)
+
+
+def exp_f32(x, acc=jnp.float32):
+  """``exp(x)`` as the kernels compute it: ``exp2(x * log2(e))`` in float32
+  (``acc``), whatever the dtype of ``x``; round the result where needed."""
+  return jnp.exp2(x.astype(acc) * LOG2E)
+
+
 def default_scale(head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim)
 

@@ -11,6 +11,11 @@ and heads, with a static ``precision`` flag:
   which turns its row into NaN), everything after it in float32.
 * ``"fp16"``: scores, statistics, P and the PV accumulator all in float16.
 
+Every method takes its exponentials in float32 (``exp2(x log2 e)``, as the
+kernels do) of the difference ``s - m`` formed in the statistics dtype, sums
+them in float32 for ``l`` and rounds them to the value dtype for the PV
+matmul.
+
 Per key block ``j`` (block of ``block_k`` keys):
 ``m_j = max(m_{j-1}, rowmax S)``, ``P = exp(S - m_j)``,
 ``l_j = exp(m_{j-1} - m_j) l_{j-1} + rowsum P``,
@@ -86,10 +91,10 @@ def flash_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s = jnp.where(x["visible"], s, -jnp.inf)
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
-    p = jnp.exp(s - m_ref[:, None])
-    alpha = jnp.exp(m - m_ref)
-    l = alpha * l + p.astype(f32).sum(axis=-1).astype(stat)
-    pv = jnp.dot(p.astype(v.dtype), x["v"], preferred_element_type=f32)
+    e = base.exp_f32(s - m_ref[:, None])   # float32 exponentials
+    alpha = base.exp_f32(m - m_ref).astype(stat)
+    l = alpha * l + e.sum(axis=-1).astype(stat)
+    pv = jnp.dot(e.astype(v.dtype), x["v"], preferred_element_type=f32)
     o = alpha[:, None] * o + pv.astype(stat)
     return (m_new, l, o), None
 

@@ -29,6 +29,14 @@ Decisions beyond the paper (documented in the README):
   shift of the real keys (exactness does not depend on the fill value).
 * A bias is added after the pseudo-average is taken (the recovery only adds a
   per-row constant, so this stays exact).
+* Rounding points, chosen to be what a GPU kernel computes for free: ``S'``
+  is rounded to the compute dtype as it leaves the matmul; ``Sbar'`` is the
+  float32 sum of the matmul accumulator, divided by ``s2`` and rounded;
+  ``S' - m'`` is a compute-dtype subtraction whose result feeds a float32
+  ``exp`` (``exp2(x log2 e)``, as the kernel computes it; every ``exp`` here
+  is taken that way and rounded to the compute dtype); ``l'`` is the float32 sum of those exponentials, rounded; ``P`` is
+  the rounded exponential (the PV matmul operand).  ``m``, ``l``, ``F``, the
+  corrections and ``O`` are compute-dtype values, every operation rounded.
 """
 from __future__ import annotations
 
@@ -181,14 +189,16 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
   def step(carry, x):
     m, l, o, f, count = carry
-    s = jnp.dot(q, x["k"].T, preferred_element_type=acc).astype(cd)
-    s_mean = (s.astype(acc).sum(axis=-1) / bk).astype(cd)   # step 2
+    s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
+    s_mean = (s_acc.sum(axis=-1) / bk).astype(cd)           # step 2
+    s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
     if "bias" in x:
       s = s + x["bias"].astype(cd)
     s = jnp.where(x["visible"], s, -jnp.inf)
     m_loc = s.max(axis=-1)                                   # step 1
-    p = jnp.exp(s - base.safe_max(m_loc)[:, None])
-    l_loc = p.astype(acc).sum(axis=-1).astype(cd)
+    e = base.exp_f32(s - base.safe_max(m_loc)[:, None], acc)
+    l_loc = e.sum(axis=-1).astype(cd)
+    p = e.astype(cd)
     j = count + 1
     f_new = (((j - 1).astype(cd) * f) + s_mean) / j.astype(cd)   # step 3
     dmp_prev = inva * (f - f_new)                            # step 4
@@ -196,9 +206,11 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    l_new = jnp.exp(dm_prev) * l + jnp.exp(dm_cur) * l_loc   # step 6
+    e_prev = base.exp_f32(dm_prev, acc).astype(cd)
+    e_cur = base.exp_f32(dm_cur, acc).astype(cd)
+    l_new = e_prev * l + e_cur * l_loc                        # step 6
     pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(cd)
-    o_new = jnp.exp(dm_cur)[:, None] * pv + jnp.exp(dm_prev)[:, None] * o
+    o_new = e_cur[:, None] * pv + e_prev[:, None] * o
     seen = x["visible"].any(axis=-1)
     keep = lambda new, old: jnp.where(seen.reshape(-1, *[1] * (old.ndim - 1)),
                                       new, old)

@@ -1,0 +1,304 @@
+"""Flash-attention forward kernel (Pallas, Triton lowering) for the methods
+"fp32", "fp16_fp32", "fp16" and "pasa", next to the references it mirrors
+(:mod:`jaxattn.flash`, :mod:`jaxattn.pasa`).
+
+One kernel body, per head and per query block, with static flags: the
+precision allocation, causal masking, an optional bias and mask, and the
+log-sum-exp output.  Batch and heads are grid axes indexing the BTNH arrays in
+place (the equivalent of vmapping the per-head kernel, without the transposes
+that ``jax.vmap`` of a ``pallas_call`` costs); query heads of a group share
+their key/value head without repeating it.  Lengths are padded outside the
+kernel to whole blocks (only when needed); the kernel masks keys at or beyond
+``kv_len``, runs the key blocks every row sees without any mask, and skips
+the key blocks that no row of the query block can see (causal, padding).
+
+PASA: the keys are shifted once per key block by the shifting-matrix matmul
+(:func:`jaxattn.pasa.shift_keys`, the paper's batched-GEMM pre-processing),
+and the kernel runs steps 1-6 of Algorithm 1 in float16 exactly as
+:func:`jaxattn.pasa.pasa_head` does.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxattn import base
+from jaxattn import pasa as pasa_ref
+
+LOG2E = math.log2(math.e)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+# (precision, head_dim_padded) -> (block_q, block_k, num_warps, num_stages):
+# the best of benchmarks/sweep.py on an H100 (B=2 H=32 S=8192 D=128 and
+# B=4 H=32 S=4096 D=64, benchmarks/README.md); 256 is a guess that fits the
+# registers.
+_TABLE = {
+    ("fp32", 64): (64, 128, 4, 2),
+    ("fp32", 128): (128, 64, 4, 2),
+    ("fp32", 256): (64, 32, 8, 2),
+    ("pasa", 64): (128, 128, 8, 2),
+    ("pasa", 128): (64, 128, 8, 2),
+    ("pasa", 256): (32, 128, 8, 2),
+}
+
+
+def kernel_params(precision: str, head_dim_padded: int, config) -> KernelParams:
+  """Block sizes, warps and stages: the table, overridden by ``config``."""
+  key = "pasa" if precision == "pasa" else "fp32"
+  d = min(max(head_dim_padded, 64), 256)
+  bq, bk, warps, stages = _TABLE[(key, d)]
+  if precision == "pasa":
+    bk = config.block_k  # the shifting matrix's size: part of the algorithm
+  elif config.block_k is not None:
+    bk = config.block_k
+  return KernelParams(
+      block_q=config.block_q or bq, block_k=bk,
+      num_warps=config.num_warps or warps,
+      num_stages=config.num_stages or stages)
+
+
+def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
+                  precision, block_q, block_k, has_bias, has_mask,
+                  return_lse):
+  """One query block of one head.
+
+  q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
+  kv_len_ref ``[1]`` int32; optional bias ``[block_q, S_pad]`` float32 and
+  mask ``[block_q, S_pad]`` int8; outputs o ``[block_q, D]`` and optionally
+  lse ``[block_q]`` float32 (natural log).  For PASA ``scale`` is
+  ``beta / (1 - beta)`` (the softmax scale is folded into the keys).
+  """
+  refs = list(refs)
+  bias_ref = refs.pop(0) if has_bias else None
+  mask_ref = refs.pop(0) if has_mask else None
+  o_ref = refs.pop(0)
+  lse_ref = refs.pop(0) if return_lse else None
+  f32, f16 = jnp.float32, jnp.float16
+  is_pasa = precision == "pasa"
+  stat = f16 if precision in ("fp16", "pasa") else f32
+  # "fp32"/"fp16_fp32" work in base 2 with scale*log2(e) applied in the FMA
+  # of exp2(s * c - m); "fp16"/"pasa" mirror their references op for op.
+  base2 = precision in ("fp32", "fp16_fp32")
+  i = pl.program_id(0)
+  kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
+  q = q_ref[...]
+  dv = o_ref.shape[-1]
+
+  def div16(a, b):  # correctly rounded float16 division (no f16 div in Triton)
+    return (a.astype(f32) / b.astype(f32)).astype(f16)
+
+  def body(j, carry, masked):
+    m, l, o, f, count = carry
+    ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    s = lax.dot_general(q, k_ref[ks, :], (((1,), (1,)), ((), ())),
+                        preferred_element_type=f32)
+    if is_pasa:
+      s_mean = (jnp.sum(s, axis=1) / block_k).astype(f16)
+    if precision != "fp32":
+      s = s.astype(f16)  # the score matrix leaves the matmul unit in fp16
+    if precision == "fp16":
+      s = s * jnp.asarray(scale, f16)
+    elif not is_pasa:
+      s = s.astype(f32)
+    if has_bias:
+      b = bias_ref[:, ks]
+      s = s + (b * (1.0 / scale) if base2 else b).astype(s.dtype)
+    visible = None
+    if masked:
+      rows = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
+      cols = j * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
+      visible = cols < kv_len
+      if is_causal:
+        visible = visible & (cols <= rows)
+      if has_mask:
+        visible = visible & (mask_ref[:, ks] != 0)
+      s = jnp.where(visible, s, -jnp.inf)
+    v = v_ref[ks, :]
+    c = scale * LOG2E
+    if not is_pasa:
+      m_cur = jnp.max(s, axis=1)
+      m_new = jnp.maximum(m, m_cur * c if base2 else m_cur)
+      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(stat)
+      if base2:
+        e = jnp.exp2(s * c - m_ref[:, None])
+        alpha = jnp.exp2(m - m_ref)
+      else:
+        e = base.exp_f32(s - m_ref[:, None])
+        alpha = base.exp_f32(m - m_ref).astype(stat)
+      l = alpha * l + jnp.sum(e, axis=1).astype(stat)
+      pv = lax.dot_general(e.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           preferred_element_type=f32)
+      o = alpha[:, None] * o + pv.astype(stat)
+      return m_new, l, o, f, count
+    # PASA steps 1-6 (float16), as jaxattn.pasa.pasa_head.
+    m_loc = jnp.max(s, axis=1)
+    m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc).astype(f16)
+    e = base.exp_f32(s - m_ref[:, None])
+    l_loc = jnp.sum(e, axis=1).astype(f16)
+    p = e.astype(f16)
+    jn = count + 1
+    f_new = div16((jn - 1).astype(f16) * f + s_mean, jn.astype(f16))
+    inva = jnp.asarray(scale, f16)
+    dmp_prev = inva * (f - f_new)
+    dmp_cur = inva * (s_mean - f_new)
+    m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
+    dm_prev = (m - m_new) + dmp_prev
+    dm_cur = (m_loc - m_new) + dmp_cur
+    e_prev = base.exp_f32(dm_prev).astype(f16)
+    e_cur = base.exp_f32(dm_cur).astype(f16)
+    l_new = e_prev * l + e_cur * l_loc
+    pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())),
+                         preferred_element_type=f32).astype(f16)
+    o_new = e_cur[:, None] * pv + e_prev[:, None] * o
+    if visible is None:
+      return m_new, l_new, o_new, f_new, jn
+    seen = jnp.max(visible.astype(jnp.int32), axis=1) > 0
+    return (jnp.where(seen, m_new, m), jnp.where(seen, l_new, l),
+            jnp.where(seen[:, None], o_new, o), jnp.where(seen, f_new, f),
+            jnp.where(seen, jn, count))
+
+  # Key blocks [0, n_full) are visible to every row: no mask.  Blocks
+  # [n_full, n_blocks) are masked; blocks past n_blocks are never visible.
+  hi = kv_len
+  if is_causal:
+    hi = jnp.minimum(hi, (i + 1) * block_q)
+  n_blocks = lax.div(hi + block_k - 1, block_k)
+  n_full = lax.div(kv_len, block_k)
+  if is_causal:
+    n_full = jnp.minimum(n_full, lax.div(i * block_q + 1, block_k))
+  if has_mask:
+    n_full = jnp.zeros_like(n_full)
+  n_full = jnp.minimum(n_full, n_blocks)
+  init = (jnp.full((block_q,), -jnp.inf, stat), jnp.zeros((block_q,), stat),
+          jnp.zeros((block_q, dv), stat), jnp.zeros((block_q,), stat),
+          jnp.zeros((block_q,), jnp.int32))
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+  m, l, o, f, _ = lax.fori_loop(n_full, n_blocks,
+                                functools.partial(body, masked=True), carry)
+  empty = l == 0
+  safe_l = jnp.where(empty, 1.0, l).astype(stat)
+  out = div16(o, safe_l[:, None]) if stat == f16 else o / safe_l[:, None]
+  out = jnp.where(empty[:, None], 0.0, out)
+  o_ref[...] = out.astype(o_ref.dtype)
+  if return_lse:
+    lf = jnp.log(safe_l.astype(f32))
+    if base2:
+      lse = m.astype(f32) / LOG2E + lf
+    elif is_pasa:
+      lse = m.astype(f32) + jnp.float32(scale) * f.astype(f32) + lf
+    else:
+      lse = m.astype(f32) + lf
+    lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
+
+
+def _interpret() -> bool:
+  return jax.devices()[0].platform != "gpu"
+
+
+def _pad_to(x, axis, size):
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+                    precision, return_lse=False):
+  """Batched flash attention through the Pallas kernel.
+
+  Args: as the references (BTNH ``q [B, T, N, D]``, ``k, v [B, S, K, D]``,
+    bias/mask ``[B, N, T, S]`` or None, ``kv_lens`` int32 ``[B]``).
+  Returns: ``[B, T, N, D]`` (float16 for the float16 methods, the input
+    dtype for "fp32"), and the float32 log-sum-exp ``[B, N, T]`` if
+    ``return_lse``.
+
+  The grid is (query blocks, batch, query heads); query head ``h`` reads
+  key/value head ``h // (N // K)``, so K and V are never repeated.  Inputs are
+  only copied when a length is not a whole number of blocks or the head dim
+  not a power of two (PASA additionally writes its shifted keys).
+  """
+  b, t, n, d = q.shape
+  s_len, nk = k.shape[1], k.shape[2]
+  group = n // nk
+  d_pad = max(pl.next_power_of_2(d), 16)
+  params = kernel_params(precision, d_pad, config)
+  bq = min(params.block_q, max(16, pl.next_power_of_2(t)))
+  bk = params.block_k
+  in_dtype = q.dtype if precision == "fp32" else jnp.float16
+  q, v = q.astype(in_dtype), v.astype(in_dtype)
+  if precision == "pasa":
+    if jnp.dtype(config.compute_dtype) != jnp.float16:
+      raise ValueError("the PASA kernel computes in float16; use "
+                       "implementation='reference' for compute_dtype="
+                       f"{config.compute_dtype}")
+    beta = config.resolved_beta
+    shift = functools.partial(pasa_ref.shift_keys, beta=beta, scale=scale,
+                              block_k=bk, compute_dtype=jnp.float16)
+    per_head = lambda k1, n1: shift(k1, n1).reshape(-1, d)
+    k = jax.vmap(jax.vmap(per_head, in_axes=(1, None), out_axes=1))(k, kv_lens)
+    kernel_scale = float(np.float16(beta / (1.0 - beta)))
+  else:
+    k = k.astype(in_dtype)
+    kernel_scale = scale
+  t_pad = -(-t // bq) * bq
+  s_pad = -(-s_len // bk) * bk
+  q = _pad_to(_pad_to(q, 1, t_pad), 3, d_pad)
+  k = _pad_to(_pad_to(k, 1, s_pad), 3, d_pad)
+  v = _pad_to(_pad_to(v, 1, s_pad), 3, d_pad)
+  args = [q, k, v, kv_lens.astype(jnp.int32).reshape(b, 1)]
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
+      pl.BlockSpec((None, s_pad, None, d_pad),
+                   lambda i, bi, h: (bi, 0, h // group, 0)),
+      pl.BlockSpec((None, s_pad, None, d_pad),
+                   lambda i, bi, h: (bi, 0, h // group, 0)),
+      pl.BlockSpec((None, 1), lambda i, bi, h: (bi, 0)),
+  ]
+  for x, dtype in ((bias, jnp.float32), (mask, jnp.int8)):
+    if x is not None:
+      args.append(_pad_to(_pad_to(x.astype(dtype), 2, t_pad), 3, s_pad))
+      in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
+                                   lambda i, bi, h: (bi, h, i, 0)))
+  out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, d_pad), in_dtype)]
+  out_specs = [pl.BlockSpec((None, bq, None, d_pad),
+                            lambda i, bi, h: (bi, i, h, 0))]
+  if return_lse:
+    out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
+    out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)))
+  kernel = functools.partial(
+      _flash_kernel, scale=kernel_scale, is_causal=is_causal,
+      precision=precision, block_q=bq, block_k=bk, has_bias=bias is not None,
+      has_mask=mask is not None, return_lse=return_lse)
+  outs = pl.pallas_call(
+      kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
+      out_specs=out_specs, out_shape=out_shape,
+      compiler_params=plgpu.CompilerParams(num_warps=params.num_warps,
+                                           num_stages=params.num_stages),
+      interpret=_interpret(), name=f"jaxattn_{precision}_fwd")(*args)
+  out = outs[0]
+  if t_pad != t or d_pad != d:
+    out = out[:, :t, :, :d]
+  if return_lse:
+    return out, outs[1][:, :, :t]
+  return out
+
+
+for _p in ("fp32", "fp16_fp32", "fp16", "pasa"):
+  base.attach_pallas(_p, functools.partial(flash_attention, precision=_p))
