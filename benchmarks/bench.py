@@ -78,14 +78,88 @@ def jax_methods(causal, d):
               q, k, v, is_causal=causal, implementation=impl))
   except Exception:  # noqa: BLE001
     pass
-  for m in ("fp32", "fp16_fp32", "fp16", "pasa", "sage", "int8", "fmha_int8",
-            "fp8"):
+  for name, m, opts in JAXATTN_VARIANTS:
     if m not in jaxattn.METHODS or jaxattn.base.get_method(m).pallas is None:
       continue
-    out[f"jaxattn_{m}"] = (jnp.float16, lambda q, k, v, m=m:
-                           jaxattn.dot_product_attention(
-                               q, k, v, is_causal=causal, method=m,
-                               implementation="pallas"))
+    out[name] = (jnp.float16, lambda q, k, v, m=m, opts=opts:
+                 jaxattn.dot_product_attention(
+                     q, k, v, is_causal=causal, method=m,
+                     implementation="pallas", **opts))
+  return out
+
+
+# (benchmark name, method, options): end to end from float16 inputs.
+JAXATTN_VARIANTS = [
+    ("jaxattn_fp32", "fp32", {}),
+    ("jaxattn_fp16_fp32", "fp16_fp32", {}),
+    ("jaxattn_fp16", "fp16", {}),
+    ("jaxattn_pasa", "pasa", {}),
+    ("jaxattn_sage2-8b", "sage", {"preset": "sage2-8b"}),
+    ("jaxattn_sage2-4b", "sage", {"preset": "sage2-4b"}),
+    ("jaxattn_sage1", "sage", {"preset": "sage1"}),
+    ("jaxattn_int8_full", "int8", {}),
+    ("jaxattn_int8_full_vblock", "int8", {"v_granularity": "block"}),
+    ("jaxattn_int8_half", "int8", {"pv_dtype": "fp16"}),
+    ("jaxattn_fmha_int8", "fmha_int8", {}),
+    ("jaxattn_fp8", "fp8", {}),
+]
+
+
+def kernel_alone(causal, d):
+  """name -> (prepare(q, k, v) -> args, kernel(*args)): the kernels timed
+  on pre-quantized inputs (the quantizer's time excluded)."""
+  out = {}
+  try:
+    from pallas_kernels import quantized as qk
+    from jaxattn import int_flash
+  except ImportError:
+    return out
+  scale = 1.0 / math.sqrt(d)
+
+  def int8_prep(pv_dtype):
+    cfg = int_flash.Int8Config(pv_dtype=pv_dtype)
+    def prep(q, k, v):
+      qz = int_flash.int8_quantize(q, k, v, None, config=cfg)
+      vv = qz["v"].transpose(0, 2, 3, 1) if pv_dtype == "int8" else qz["v"]
+      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+      return (qz["q"], qz["q_scale"] * scale * 1.4426950408889634, qz["k"],
+              qz["k_scale"], vv, lens)
+    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
+    def kern(q8, qs, k8, ks, vv, lens):
+      return qk.quantized_attention(
+          q8, qs, k8, ks, vv, lens, None, None,
+          pv="int8" if pv_dtype == "int8" else "fp16", is_causal=causal,
+          params=params)
+    return prep, kern
+
+  out["kernel_int8_full"] = int8_prep("int8")
+  out["kernel_int8_half"] = int8_prep("fp16")
+
+  def sage_prep(preset):
+    from jaxattn import sage
+    cfg = sage.SageConfig.from_options(preset=preset)
+    fp8 = cfg.pv_dtype == "fp8"
+    def prep(q, k, v):
+      z = sage.sage_quantize(q, k, v, None, scale=scale, config=cfg)
+      qbias = None
+      if cfg.smooth_q:
+        qbias = (z["smooth_bias"] * sage.log2_scale(scale)).transpose(0, 2, 1, 3)
+      vv = z["v"].transpose(0, 2, 3, 1) if fp8 else z["v"]
+      osc = z["v_scale"] / 448.0 if fp8 else jnp.ones_like(z["v_mean"])
+      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+      return (z["q"], z["q_scale_folded"], z["k"], z["k_scale"], vv, lens,
+              qbias, osc, z["v_mean"])
+    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
+    def kern(q8, qs, k8, ks, vv, lens, qbias, osc, vmean):
+      return qk.quantized_attention(
+          q8, qs, k8, ks, vv, lens, None, None, pv=cfg.pv_dtype,
+          is_causal=causal, params=params, q_block_bias=qbias,
+          bias_rows=cfg.block_q, out_scale=osc, out_shift=vmean,
+          out_dtype=jnp.float16)
+    return prep, kern
+
+  for preset in ("sage2-8b", "sage1"):
+    out[f"kernel_{preset}"] = sage_prep(preset)
   return out
 
 
@@ -120,6 +194,16 @@ def bench_shape(shape, causal, names, iters, reps, log):
       mem = f.lower(*base[dt]).compile().memory_analysis()
       temp = getattr(mem, "temp_size_in_bytes", None)
       rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
+    except Exception as e:  # noqa: BLE001
+      rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
+      log.write(traceback.format_exc())
+  for name, (prep, kern) in kernel_alone(causal, d).items():
+    if names and name not in names:
+      continue
+    try:
+      args = jax.block_until_ready(jax.jit(prep)(*base[jnp.float16]))
+      t = time_jax(jax.jit(kern), args, iters, reps)
+      rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
     except Exception as e:  # noqa: BLE001
       rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
       log.write(traceback.format_exc())

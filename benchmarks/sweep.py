@@ -29,6 +29,8 @@ def main(argv=None):
   p.add_argument("--causal", action="store_true")
   p.add_argument("--block-k", type=int, default=None,
                  help="fixed block_k (PASA's shifting-matrix size)")
+  p.add_argument("--options", default="",
+                 help="fixed method options, e.g. pv_dtype=fp16")
   p.add_argument("--out", default="")
   a = p.parse_args(argv)
   doc = []
@@ -46,6 +48,9 @@ def main(argv=None):
       fixed = {"block_k": a.block_k} if a.block_k else {}
       if method == "pasa" and not fixed:
         fixed = {"block_k": 128}
+      for item in filter(None, a.options.split(",")):
+        name, value = item.split("=")
+        fixed[name] = int(value) if value.isdigit() else value
       best, results = tuning.autotune(method, q, k, v, is_causal=a.causal,
                                       fixed=fixed)
       for opts, t in sorted(results, key=lambda r: r[1] if isinstance(

@@ -168,8 +168,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   out = _attention(query, key, value, bias, mask, kv_lens, method=method,
                    implementation=impl, scale=scale,
                    is_causal=bool(is_causal), config=config)
-  if unbatched:
-    out = jax.tree_util.tree_map(lambda x: x[0], out)
+  if unbatched:  # drop the batch axis again (not from a scalar scale)
+    out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
   return out
 
 

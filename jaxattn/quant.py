@@ -4,6 +4,12 @@ All quantizers are round-to-nearest-even and symmetric: ``x_q = round(x / s)``
 clipped to ``[-qmax, qmax]`` with ``qmax = 2^(bits-1) - 1`` (127 for int8, 7
 for int4), ``s = amax / qmax``.  A zero scale (an all-zero group) quantizes to
 zeros, never NaN.  float8_e4m3fn quantization uses ``s = amax / 448``.
+
+The division is written as a multiplication by the float32 reciprocal,
+``x * fl(1/s)``: XLA compiles ``x / s`` with a broadcast ``s`` that way anyway
+(depending on jit/vmap context), and a GPU kernel multiplies by a reciprocal
+too; writing it out makes the quantized values the same on every backend, so
+kernels can be checked against them bit for bit.
 """
 from __future__ import annotations
 
@@ -19,26 +25,12 @@ def qmax(bits: int) -> int:
   return 2 ** (bits - 1) - 1
 
 
-def _safe_div(x, scale):
-  safe = jnp.where(scale == 0, jnp.ones_like(scale), scale)
-  return jnp.where(scale == 0, jnp.zeros_like(x), x / safe)
-
-
-def quantize_int(x, scale, bits: int = 8):
-  """``clip(round(x / scale), -qmax, qmax)`` as int8 (int4 values are held in
-  int8 containers; see :func:`pack_int4`).  ``scale`` broadcasts against x."""
-  x = x.astype(jnp.float32)
-  q = jnp.round(_safe_div(x, scale.astype(jnp.float32)))
-  m = qmax(bits)
-  return jnp.clip(q, -m, m).astype(jnp.int8)
-
-
-def quantize_fp8(x, scale):
-  """``fl_e4m3(x / scale)`` (round to nearest even; |x/scale| <= 448 when the
-  scale is ``amax / 448``)."""
-  x = x.astype(jnp.float32)
-  y = jnp.clip(_safe_div(x, scale.astype(jnp.float32)), -FP8_MAX, FP8_MAX)
-  return y.astype(jnp.float8_e4m3fn)
+def round_probability(p, levels: int):
+  """``floor(levels * p + 1/2)`` for ``p`` in ``[0, 1]``: the quantized
+  probabilities of INT-FlashAttention (127) and the 8-bit FMHA (255).  Ties
+  round up rather than to even, as the kernels compute it (the Triton
+  lowering has no ``round``); float32 ties are all but absent here."""
+  return jnp.floor(levels * p + 0.5)
 
 
 def group_absmax(x, group: int, axis: int = 0):
@@ -78,5 +70,27 @@ def unpack_int4(packed):
   return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
 
 
-__all__ = ["FP8_MAX", "qmax", "quantize_int", "quantize_fp8", "group_absmax",
-           "expand_groups", "pack_int4", "unpack_int4"]
+def reciprocal(scale):
+  """``fl(1 / scale)`` in float32 (an IEEE division), with ``1 / 0 := 0``."""
+  scale = jnp.asarray(scale, jnp.float32)
+  safe = jnp.where(scale == 0, jnp.ones_like(scale), scale)
+  return jnp.where(scale == 0, jnp.zeros_like(scale), 1.0 / safe)
+
+
+def quantize_int(x, inv_scale, bits: int = 8):
+  """``clip(round(x * inv_scale), -qmax, qmax)`` as int8, round half to even
+  (``inv_scale = reciprocal(scale)`` broadcasts against x; 0 gives zeros)."""
+  m = qmax(bits)
+  y = jnp.round(x.astype(jnp.float32) * inv_scale.astype(jnp.float32))
+  return jnp.clip(y, -m, m).astype(jnp.int8)
+
+
+def quantize_fp8(x, inv_scale):
+  """``fl_e4m3(clip(x * inv_scale, -448, 448))`` (round to nearest even)."""
+  y = x.astype(jnp.float32) * inv_scale.astype(jnp.float32)
+  return jnp.clip(y, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn)
+
+
+__all__ = ["FP8_MAX", "qmax", "round_probability", "reciprocal",
+           "quantize_int", "quantize_fp8", "group_absmax", "expand_groups",
+           "pack_int4", "unpack_int4"]

@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxattn import base
 from jaxattn import pasa as pasa_ref
+from pallas_kernels import common
 
 LOG2E = math.log2(math.e)
 
@@ -52,8 +53,8 @@ _TABLE = {
     ("fp32", 64): (64, 128, 4, 2),
     ("fp32", 128): (128, 64, 4, 2),
     ("fp32", 256): (64, 32, 8, 2),
-    ("pasa", 64): (128, 128, 8, 2),
-    ("pasa", 128): (64, 128, 8, 2),
+    ("pasa", 64): (128, 128, 8, 3),
+    ("pasa", 128): (128, 128, 8, 3),
     ("pasa", 256): (32, 128, 8, 2),
 }
 
@@ -121,13 +122,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
       s = s + (b * (1.0 / scale) if base2 else b).astype(s.dtype)
     visible = None
     if masked:
-      rows = i * block_q + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 0)
-      cols = j * block_k + lax.broadcasted_iota(jnp.int32, (block_q, block_k), 1)
-      visible = cols < kv_len
-      if is_causal:
-        visible = visible & (cols <= rows)
-      if has_mask:
-        visible = visible & (mask_ref[:, ks] != 0)
+      visible = common.visible(
+          i, j, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
+          mask=mask_ref[:, ks] if has_mask else None)
       s = jnp.where(visible, s, -jnp.inf)
     v = v_ref[ks, :]
     c = scale * LOG2E
@@ -173,18 +170,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
             jnp.where(seen[:, None], o_new, o), jnp.where(seen, f_new, f),
             jnp.where(seen, jn, count))
 
-  # Key blocks [0, n_full) are visible to every row: no mask.  Blocks
-  # [n_full, n_blocks) are masked; blocks past n_blocks are never visible.
-  hi = kv_len
-  if is_causal:
-    hi = jnp.minimum(hi, (i + 1) * block_q)
-  n_blocks = lax.div(hi + block_k - 1, block_k)
-  n_full = lax.div(kv_len, block_k)
-  if is_causal:
-    n_full = jnp.minimum(n_full, lax.div(i * block_q + 1, block_k))
-  if has_mask:
-    n_full = jnp.zeros_like(n_full)
-  n_full = jnp.minimum(n_full, n_blocks)
+  n_full, n_blocks = common.key_block_range(
+      i, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
+      has_mask=has_mask)
   init = (jnp.full((block_q,), -jnp.inf, stat), jnp.zeros((block_q,), stat),
           jnp.zeros((block_q, dv), stat), jnp.zeros((block_q,), stat),
           jnp.zeros((block_q,), jnp.int32))
@@ -205,18 +193,6 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
     else:
       lse = m.astype(f32) + lf
     lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
-
-
-def _interpret() -> bool:
-  return jax.devices()[0].platform != "gpu"
-
-
-def _pad_to(x, axis, size):
-  if x.shape[axis] == size:
-    return x
-  pad = [(0, 0)] * x.ndim
-  pad[axis] = (0, size - x.shape[axis])
-  return jnp.pad(x, pad)
 
 
 def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
@@ -259,9 +235,9 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
     kernel_scale = scale
   t_pad = -(-t // bq) * bq
   s_pad = -(-s_len // bk) * bk
-  q = _pad_to(_pad_to(q, 1, t_pad), 3, d_pad)
-  k = _pad_to(_pad_to(k, 1, s_pad), 3, d_pad)
-  v = _pad_to(_pad_to(v, 1, s_pad), 3, d_pad)
+  q = common.pad_axis(common.pad_axis(q, 1, t_pad), 3, d_pad)
+  k = common.pad_axis(common.pad_axis(k, 1, s_pad), 3, d_pad)
+  v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)
   args = [q, k, v, kv_lens.astype(jnp.int32).reshape(b, 1)]
   in_specs = [
       pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
@@ -273,7 +249,7 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   ]
   for x, dtype in ((bias, jnp.float32), (mask, jnp.int8)):
     if x is not None:
-      args.append(_pad_to(_pad_to(x.astype(dtype), 2, t_pad), 3, s_pad))
+      args.append(common.pad_axis(common.pad_axis(x.astype(dtype), 2, t_pad), 3, s_pad))
       in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
                                    lambda i, bi, h: (bi, h, i, 0)))
   out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, d_pad), in_dtype)]
@@ -291,7 +267,7 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=plgpu.CompilerParams(num_warps=params.num_warps,
                                            num_stages=params.num_stages),
-      interpret=_interpret(), name=f"jaxattn_{precision}_fwd")(*args)
+      interpret=common.interpret(), name=f"jaxattn_{precision}_fwd")(*args)
   out = outs[0]
   if t_pad != t or d_pad != d:
     out = out[:, :t, :, :d]

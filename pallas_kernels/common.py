@@ -1,0 +1,55 @@
+"""Pieces shared by the Pallas kernels: the key-block range of a query block,
+the visibility mask, padding and the interpret-mode switch."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def interpret() -> bool:
+  """Pallas interpret mode when jax has no GPU (how CI runs the kernels)."""
+  return jax.devices()[0].platform != "gpu"
+
+
+def pad_axis(x, axis: int, size: int):
+  """Zero-pads ``axis`` of ``x`` to ``size`` (no copy when it already is)."""
+  if x.shape[axis] == size:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, size - x.shape[axis])
+  return jnp.pad(x, pad)
+
+
+def round_up(n: int, m: int) -> int:
+  return -(-n // m) * m
+
+
+def key_block_range(i, kv_len, *, block_q, block_k, is_causal, has_mask):
+  """``(n_full, n_blocks)`` for query block ``i``: key blocks
+  ``[0, n_full)`` are visible to every row (no mask needed), blocks
+  ``[n_full, n_blocks)`` need the mask, later blocks are seen by no row."""
+  hi = kv_len
+  if is_causal:
+    hi = jnp.minimum(hi, (i + 1) * block_q)
+  n_blocks = lax.div(hi + block_k - 1, block_k)
+  n_full = lax.div(kv_len, block_k)
+  if is_causal:
+    n_full = jnp.minimum(n_full, lax.div(i * block_q + 1, block_k))
+  if has_mask:
+    n_full = jnp.zeros_like(n_full)
+  return jnp.minimum(n_full, n_blocks), n_blocks
+
+
+def visible(i, j, kv_len, *, block_q, block_k, is_causal, mask=None):
+  """Boolean ``[block_q, block_k]``: query ``i*block_q + r`` sees key
+  ``j*block_k + c`` (``mask``: the user's int8 mask block, or None)."""
+  shape = (block_q, block_k)
+  cols = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
+  vis = cols < kv_len
+  if is_causal:
+    rows = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
+    vis = vis & (cols <= rows)
+  if mask is not None:
+    vis = vis & (mask != 0)
+  return vis

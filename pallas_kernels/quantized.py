@@ -1,0 +1,352 @@
+"""Quantized flash-attention forward kernel (Pallas, Triton lowering) for the
+methods "int8" (INT-FlashAttention, full and half INT8) and "fmha_int8"
+(8-bit FMHA), next to the references it mirrors (:mod:`jaxattn.int_flash`,
+:mod:`jaxattn.fmha`).
+
+One kernel body, per head and per query block, with static flags:
+
+* ``qk``: the QK^T operands, int8 (int8 x int8 -> int32 on the tensor cores);
+* ``pv``: how P is quantized for the PV matmul,
+  ``"int8"``  ``P = round(127 exp(S - m))``, int8 x int8 -> int32;
+  ``"fp16"``  ``P = fl16(exp(S - m))``, float16 x float16 -> float32;
+  ``"uint8"`` ``P = round(255 exp(S - m_block))`` anchored at the block's own
+  row max (8-bit FMHA), computed with int8 operands only through
+  ``P_u8 V = (P_u8 - 128) V + 128 colsum(V)`` (the Triton lowering rejects
+  unsigned matmuls; the identity is exact);
+* per-block V scales, causal masking, a user bias or mask.
+
+Scores: ``S = (Q_i8 K_i8^T)_int32 * q_scale[:, None] * k_scale[None, :]`` with
+``sm_scale * log2(e)`` folded into the per-row query scale, so the softmax
+runs in base 2 (``exp2``).  The 8-bit V is laid out transposed,
+``[B, K, D, S]`` (key dimension contiguous), once, by the jitted quantizer:
+the layout the 8-bit tensor-core path wants for the PV operand.  Batch and
+heads are grid axes over the BTNH arrays; query heads of a group share their
+key/value head.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jaxattn import base, quant
+from jaxattn import fmha as fmha_ref
+from jaxattn import int_flash as int8_ref
+from jaxattn import sage as sage_ref
+from pallas_kernels import common
+
+LOG2E = math.log2(math.e)
+
+# (head_dim_padded, block_k) -> (block_q, num_warps, num_stages): the best of
+# benchmarks/sweep.py on an H100 at B=2 H=32 S=8192 D=128 (half-INT8 and
+# full INT8, benchmarks/README.md).  block_k belongs to the method's config
+# (it sets the numerics: V block scales, SageAttention's K scales).
+_TABLE = {
+    (64, 64): (128, 4, 3), (64, 128): (64, 4, 3),
+    (128, 64): (128, 4, 3), (128, 128): (64, 4, 3),
+    (256, 64): (64, 8, 2), (256, 128): (32, 8, 2),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
+
+
+def kernel_params(head_dim_padded, config, block_k) -> KernelParams:
+  """Block sizes, warps and stages: the table, overridden by ``config``."""
+  d = min(max(head_dim_padded, 64), 256)
+  bq, warps, stages = _TABLE.get((d, block_k), _TABLE[(d, 64)])
+  return KernelParams(
+      block_q=getattr(config, "block_q", None) or bq, block_k=block_k,
+      num_warps=getattr(config, "num_warps", None) or warps,
+      num_stages=getattr(config, "num_stages", None) or stages)
+
+
+def _dot(a, b, acc, contract_b):
+  """``a @ b^T`` (contract_b=1) or ``a @ b`` (contract_b=0) with the
+  accumulator ``acc``."""
+  return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())),
+                         preferred_element_type=acc)
+
+
+def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, pv,
+                  is_causal, block_q, block_k, has_vbs, has_colsum, has_qbias,
+                  has_epilogue, has_bias, has_mask, fp8_dot_in_f32):
+  """One query block of one head.
+
+  q_ref int8 ``[bq, D]``; qs_ref ``[bq]`` (query scale * sm_scale * log2 e);
+  k_ref int8 ``[S, D]``; ks_ref ``[S]``; v_ref: int8 ``[Dv, S]`` (transposed)
+  or float16 ``[S, Dv]``; kv_len_ref ``[1]``; then optional per-block V
+  scales ``[nb]``, V column sums ``[nb, Dv]`` int32 (uint8 P), bias
+  ``[bq, S]`` (natural log units), mask ``[bq, S]`` int8; output ``[bq, Dv]``
+  float32 ``O / l`` (the caller applies the output scale).
+  """
+  refs = list(refs)
+  vbs_ref = refs.pop(0) if has_vbs else None
+  colsum_ref = refs.pop(0) if has_colsum else None
+  qbias_ref = refs.pop(0) if has_qbias else None
+  scale_ref, shift_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (
+      None, None)
+  bias_ref = refs.pop(0) if has_bias else None
+  mask_ref = refs.pop(0) if has_mask else None
+  (o_ref,) = refs
+  f32, i32 = jnp.float32, jnp.int32
+  i = pl.program_id(0)
+  kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
+  q = q_ref[...]
+  qs = qs_ref[...]
+  dv = o_ref.shape[-1]
+
+  def body(j, carry, masked):
+    m, l, o = carry
+    ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
+    s = _dot(q, k_ref[ks, :], i32, 1).astype(f32)
+    s = s * qs[:, None] * ks_ref[ks][None, :]
+    if has_qbias:  # SageAttention's smoothing bias q_mean K^T of the block
+      s = s + qbias_ref[ks][None, :]
+    if has_bias:
+      s = s + bias_ref[:, ks] * LOG2E
+    if masked:
+      vis = common.visible(i, j, kv_len, block_q=block_q, block_k=block_k,
+                           is_causal=is_causal,
+                           mask=mask_ref[:, ks] if has_mask else None)
+      s = jnp.where(vis, s, -jnp.inf)
+    if pv == "uint8":  # P anchored at the block's own row max (8-bit FMHA)
+      mt = jnp.max(s, axis=1)
+      e = jnp.exp2(s - jnp.where(mt == -jnp.inf, 0.0, mt)[:, None])
+      lt = jnp.sum(e, axis=1)
+      p = (quant.round_probability(e, 255) - 128.0).astype(jnp.int8)
+      pv_blk = _dot(p, v_ref[:, ks], i32, 1) + 128 * colsum_ref[j, :][None, :]
+      m_new = jnp.maximum(m, mt)
+      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+      a_prev, a_cur = jnp.exp2(m - m_ref), jnp.exp2(mt - m_ref)
+      return (m_new, a_prev * l + a_cur * lt,
+              a_prev[:, None] * o + a_cur[:, None] * pv_blk.astype(f32))
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+    e = jnp.exp2(s - m_ref[:, None])
+    alpha = jnp.exp2(m - m_ref)
+    if pv == "int8":
+      p = quant.round_probability(e, 127)
+      l = alpha * l + jnp.sum(p, axis=1)
+      pv_blk = _dot(p.astype(jnp.int8), v_ref[:, ks], i32, 1).astype(f32)
+      if has_vbs:
+        pv_blk = pv_blk * vbs_ref[j]
+    elif pv == "fp8":  # P * 448 and V per channel in float8_e4m3fn
+      l = alpha * l + jnp.sum(e, axis=1)
+      p8, v8 = (e * quant.FP8_MAX).astype(jnp.float8_e4m3fn), v_ref[:, ks]
+      if fp8_dot_in_f32:  # the CPU has no fp8 dot (values are exact in f32)
+        p8, v8 = p8.astype(f32), v8.astype(f32)
+      pv_blk = _dot(p8, v8, f32, 1)
+    else:  # "fp16"
+      l = alpha * l + jnp.sum(e, axis=1)
+      pv_blk = _dot(e.astype(jnp.float16), v_ref[ks, :], f32, 0)
+    return m_new, l, alpha[:, None] * o + pv_blk
+
+  n_full, n_blocks = common.key_block_range(
+      i, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
+      has_mask=has_mask)
+  init = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32),
+          jnp.zeros((block_q, dv), f32))
+  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
+  _, l, o = lax.fori_loop(n_full, n_blocks,
+                          functools.partial(body, masked=True), carry)
+  empty = l == 0
+  out = o / jnp.where(empty, 1.0, l)[:, None]
+  if has_epilogue:  # per-channel output scale and shift (e.g. V's mean)
+    out = out * scale_ref[...][None, :] + shift_ref[...][None, :]
+  o_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(o_ref.dtype)
+
+
+def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
+                        pv, is_causal, params, v_block_scale=None,
+                        v_colsum=None, q_block_bias=None, bias_rows=None,
+                        out_scale=None, out_shift=None,
+                        out_dtype=jnp.float32):
+  """Runs the kernel on quantized BTNH inputs.
+
+  Args:
+    q8: int8 ``[B, T, N, D]``; q_scale float32 ``[B, T, N]`` (times
+      ``sm_scale * log2 e``); k8: int8 ``[B, S, K, D]``; k_scale ``[B, S, K]``;
+    v: int8 ``[B, K, Dv, S]`` (transposed) for ``pv`` "int8"/"uint8", float16
+      ``[B, S, K, Dv]`` for "fp16"; kv_lens int32 ``[B]``; bias/mask
+      ``[B, N, T, S]`` or None.
+    v_block_scale: float32 ``[B, K, S / block_k]`` or None.
+    v_colsum: int32 ``[B, K, S / block_k, Dv]`` (column sums of each int8 V
+      block), needed for ``pv="uint8"``.
+    q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a score bias
+      (base 2) shared by each block of ``bias_rows`` query rows
+      (SageAttention's ``q_mean K^T``; ``bias_rows`` a power of two), or None.
+    out_scale, out_shift: float32 ``[B, K, Dv]``: the output is
+      ``O / l * out_scale + out_shift`` (rows that see no key stay 0).
+  Returns:
+    ``[B, T, N, Dv]`` in ``out_dtype``.
+  """
+  b, t, n, d = q8.shape
+  s_len, nk = k8.shape[1], k8.shape[2]
+  group = n // nk
+  dv = v.shape[2] if pv != "fp16" else v.shape[3]
+  bq = min(params.block_q, max(16, pl.next_power_of_2(t)))
+  if q_block_bias is not None:  # a kernel block must not straddle two
+    bq = min(bq, bias_rows)
+  bk = params.block_k
+  d_pad = max(pl.next_power_of_2(d), 16)
+  dv_pad = max(pl.next_power_of_2(dv), 16)
+  t_pad, s_pad = common.round_up(t, bq), common.round_up(s_len, bk)
+  pad = common.pad_axis
+  q8 = pad(pad(q8, 1, t_pad), 3, d_pad)
+  qs = pad(q_scale, 1, t_pad).transpose(0, 2, 1)          # [B, N, T]
+  k8 = pad(pad(k8, 1, s_pad), 3, d_pad)
+  ks = pad(k_scale, 1, s_pad).transpose(0, 2, 1)          # [B, K, S]
+  if pv == "fp16":
+    v = pad(pad(v, 1, s_pad), 3, dv_pad)
+    v_spec = pl.BlockSpec((None, s_pad, None, dv_pad),
+                          lambda i, bi, h: (bi, 0, h // group, 0))
+  else:
+    v = pad(pad(v, 3, s_pad), 2, dv_pad)
+    v_spec = pl.BlockSpec((None, None, dv_pad, s_pad),
+                          lambda i, bi, h: (bi, h // group, 0, 0))
+  args = [q8, qs, k8, ks, v, kv_lens.astype(jnp.int32).reshape(b, 1)]
+  in_specs = [
+      pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
+      pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),
+      pl.BlockSpec((None, s_pad, None, d_pad),
+                   lambda i, bi, h: (bi, 0, h // group, 0)),
+      pl.BlockSpec((None, None, s_pad), lambda i, bi, h: (bi, h // group, 0)),
+      v_spec,
+      pl.BlockSpec((None, 1), lambda i, bi, h: (bi, 0)),
+  ]
+  nb = s_pad // bk
+  if v_block_scale is not None:
+    args.append(pad(v_block_scale, 2, nb))
+    in_specs.append(pl.BlockSpec((None, None, nb),
+                                 lambda i, bi, h: (bi, h // group, 0)))
+  if v_colsum is not None:
+    args.append(pad(pad(v_colsum, 2, nb), 3, dv_pad))
+    in_specs.append(pl.BlockSpec((None, None, nb, dv_pad),
+                                 lambda i, bi, h: (bi, h // group, 0, 0)))
+  if q_block_bias is not None:
+    per = bias_rows // bq  # kernel blocks per bias row
+    args.append(pad(q_block_bias, 3, s_pad))
+    in_specs.append(pl.BlockSpec((None, None, None, s_pad),
+                                 lambda i, bi, h: (bi, h, i // per, 0)))
+  if out_scale is not None:
+    for x in (out_scale, out_shift):
+      args.append(pad(x.astype(jnp.float32), 2, dv_pad))
+      in_specs.append(pl.BlockSpec((None, None, dv_pad),
+                                   lambda i, bi, h: (bi, h // group, 0)))
+  for x, dtype in ((bias, jnp.float32), (mask, jnp.int8)):
+    if x is not None:
+      args.append(pad(pad(x.astype(dtype), 2, t_pad), 3, s_pad))
+      in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
+                                   lambda i, bi, h: (bi, h, i, 0)))
+  kernel = functools.partial(
+      _quant_kernel, pv=pv, is_causal=is_causal, block_q=bq, block_k=bk,
+      has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
+      has_qbias=q_block_bias is not None, has_epilogue=out_scale is not None,
+      has_bias=bias is not None, has_mask=mask is not None,
+      fp8_dot_in_f32=common.interpret())
+  out = pl.pallas_call(
+      kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
+      out_specs=pl.BlockSpec((None, bq, None, dv_pad),
+                             lambda i, bi, h: (bi, i, h, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, t_pad, n, dv_pad), out_dtype),
+      compiler_params=plgpu.CompilerParams(num_warps=params.num_warps,
+                                           num_stages=params.num_stages),
+      interpret=common.interpret(), name=f"jaxattn_quant_{pv}_fwd")(*args)
+  return out[:, :t, :, :dv]
+
+
+def _kv_heads_last(x):  # [B, S, K, D] -> [B, K, D, S]
+  return x.transpose(0, 2, 3, 1)
+
+
+def int8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="int8"`` through the kernel: the jitted quantizer of
+  :func:`jaxattn.int_flash.int8_quantize` (V transposed once), then the
+  kernel.  Returns float32 BTNH."""
+  qz = int8_ref.int8_quantize(q, k, v, kv_lens, config=config)
+  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
+                         block_k=config.block_k)
+  q_scale = qz["q_scale"] * (scale * LOG2E)
+  full = config.pv_dtype == "int8"
+  vbs = None
+  if full and config.v_granularity == "block":
+    vbs = qz["v_scale"].transpose(0, 2, 1)                  # [B, K, nb]
+  v_in = _kv_heads_last(qz["v"]) if full else qz["v"]
+  epilogue = {}
+  if full and config.v_granularity == "tensor":
+    dv = v.shape[-1]
+    epilogue = dict(
+        out_scale=jnp.broadcast_to(qz["v_scale"][..., None], (*qz["v_scale"].shape, dv)),
+        out_shift=jnp.zeros((*qz["v_scale"].shape, dv), jnp.float32))
+  return quantized_attention(
+      qz["q"], q_scale, qz["k"], qz["k_scale"], v_in, kv_lens, bias, mask,
+      pv="int8" if full else "fp16", is_causal=is_causal, params=params,
+      v_block_scale=vbs, out_dtype=q.dtype, **epilogue)
+
+
+def fmha_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="fmha_int8"`` through the kernel (uint8 P by the identity);
+  output quantization as the reference."""
+  qz = fmha_ref.fmha_quantize(q, k, v, kv_lens, config=config)
+  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
+                         block_k=config.block_k)
+  b, t, n, _ = q.shape
+  s_factor = qz["q_scale"] * qz["k_scale"] * (scale * LOG2E)
+  q_scale = jnp.broadcast_to(s_factor, (b, t, n))
+  k_scale = jnp.ones(k.shape[:3], jnp.float32)
+  bk = params.block_k
+  s_pad = common.round_up(k.shape[1], bk)
+  v8 = common.pad_axis(qz["v"], 1, s_pad)
+  colsum = v8.astype(jnp.int32).reshape(b, s_pad // bk, bk, *v8.shape[2:])
+  colsum = colsum.sum(axis=2).transpose(0, 2, 1, 3)         # [B, K, nb, Dv]
+  o = quantized_attention(
+      qz["q"], q_scale, qz["k"], k_scale, _kv_heads_last(qz["v"]), kv_lens,
+      bias, mask, pv="uint8", is_causal=is_causal, params=params,
+      v_colsum=colsum)
+  o = o * (qz["v_scale"] / 255.0)
+  o_i8, o_scale = fmha_ref.fmha_quantize_output(o, config=config)
+  if config.return_int8:
+    return o_i8, o_scale
+  return o_i8.astype(jnp.float32) * o_scale
+
+
+def sage_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="sage"`` through the kernel: the jitted pre-processing of
+  :func:`jaxattn.sage.sage_quantize` (smoothing, per-row scales with
+  ``sm_scale log2 e`` folded in, the ``q_mean K^T`` bias, V in fp8 per channel
+  transposed once), then the kernel with the V scale and mean in its
+  epilogue.  int4 values travel in int8 containers (not packed yet)."""
+  z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
+  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
+                         block_k=config.block_k)
+  fp8 = config.pv_dtype == "fp8"
+  qbias = None
+  if config.smooth_q:
+    c = sage_ref.log2_scale(scale)
+    qbias = (z["smooth_bias"] * c).transpose(0, 2, 1, 3)   # [B, N, nqb, S]
+  v_in = _kv_heads_last(z["v"]) if fp8 else z["v"]
+  out_scale = (z["v_scale"] / quant.FP8_MAX if fp8
+               else jnp.ones_like(z["v_mean"]))
+  return quantized_attention(
+      z["q"], z["q_scale_folded"], z["k"], z["k_scale"], v_in, kv_lens, bias,
+      mask, pv=config.pv_dtype, is_causal=is_causal, params=params,
+      q_block_bias=qbias, bias_rows=config.block_q, out_scale=out_scale,
+      out_shift=z["v_mean"],
+      out_dtype=q.dtype)
+
+
+base.attach_pallas("int8", int8_attention)
+base.attach_pallas("sage", sage_attention)
+base.attach_pallas("fmha_int8", fmha_attention)

@@ -1,0 +1,23 @@
+"""Shared pytest setup: tests marked ``gpu`` are skipped unless jax sees a
+GPU (markers are declared in pyproject.toml)."""
+import functools
+
+import pytest
+
+
+@functools.cache
+def _has_gpu() -> bool:
+  import jax
+  try:
+    return any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def pytest_collection_modifyitems(config, items):
+  gpu_items = [item for item in items if "gpu" in item.keywords]
+  if not gpu_items or _has_gpu():
+    return
+  skip = pytest.mark.skip(reason="needs a CUDA GPU (jax.devices() has none)")
+  for item in gpu_items:
+    item.add_marker(skip)
