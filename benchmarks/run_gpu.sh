@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU session in one call: the GPU tests, then the benchmark on the
 # issue's shapes.  Usage (repository root, on the GPU machine):
-#   OUT=/some/dir bash benchmarks/run_gpu.sh
+#   OUT=/some/dir [SKIP_TESTS=1] [TESTS_K=expr] bash benchmarks/run_gpu.sh [bench.py args]
 # Peers come from wheels in .whl/ when present (sageattention, tokamax).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -15,7 +15,10 @@ if ls .whl/*.whl >/dev/null 2>&1; then
   export PYTHONPATH=/tmp/site:/tmp/stub:${PYTHONPATH:-}
 fi
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/ 2>&1 \
-  | grep -v -i "warning" | tee "$OUT/gpu_tests.log" | grep -E "rel_rmse|NaN|cos_sim|S=|passed|failed|Error" | tail -120
+if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
+  python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/ ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
+    | grep -v -i "warning" | tee "$OUT/gpu_tests.log" \
+    | grep -E "rel_rmse|NaN|cos_sim|S=|passed|failed|Error" | tail -120
+fi
 python3 benchmarks/bench.py --out "$OUT/bench.json" --log "$OUT/bench.log" "$@" 2>&1 \
   | grep -v -i "warn\|autotun"

@@ -83,6 +83,9 @@ def test_pasa_table4_overflow(case):
     print(f"{case['name']}: {method} NaN {nan_pct[method]:.2f}% "
           f"(paper fp16_fp32 {case['paper_nan_pct']}%), rel_rmse {rel:.2e}")
     if method == "pasa":
+      # float16 scores round to ~0.06 at the score spread of the uniform
+      # cases: the PASA reference itself measures 3.5e-2 to 4.5e-2 there
+      # (jaxattn report), the kernel 3.9e-2 / 4.4e-2 (H100).
       assert nan_pct[method] == 0.0
-      assert rel < 1e-2
+      assert rel < 6e-2
   assert nan_pct["fp16_fp32"] > 0.0
