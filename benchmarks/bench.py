@@ -20,9 +20,7 @@ import json
 import math
 import os
 import platform
-import statistics
 import sys
-import time
 import traceback
 import warnings
 
@@ -32,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import jaxattn  # noqa: E402
+from pallas_kernels.tuning import time_call  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 
@@ -40,19 +39,6 @@ DEFAULT_SHAPES = "4x32x2048x128,2x32x8192x128,1x32x16384x128,4x32x4096x64"
 
 def parse_shapes(text):
   return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
-
-
-def time_jax(fn, args, iters, reps, warmup=2):
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(reps):
-    t0 = time.perf_counter()
-    for _ in range(iters):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    times.append((time.perf_counter() - t0) / iters)
-  return statistics.median(times)
 
 
 def jax_methods(causal, d):
@@ -190,7 +176,7 @@ def bench_shape(shape, causal, names, iters, reps, log):
       continue
     try:
       f = jax.jit(fn)
-      t = time_jax(f, base[dt], iters, reps)
+      t = time_call(f, base[dt], iters, reps)
       mem = f.lower(*base[dt]).compile().memory_analysis()
       temp = getattr(mem, "temp_size_in_bytes", None)
       rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
@@ -202,7 +188,7 @@ def bench_shape(shape, causal, names, iters, reps, log):
       continue
     try:
       args = jax.block_until_ready(jax.jit(prep)(*base[jnp.float16]))
-      t = time_jax(jax.jit(kern), args, iters, reps)
+      t = time_call(jax.jit(kern), args, iters, reps)
       rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
     except Exception as e:  # noqa: BLE001
       rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])

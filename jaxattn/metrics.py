@@ -111,3 +111,34 @@ def summary(out, ref) -> dict[str, float]:
       "rel_rmse": relative_rmse(o, r),
       "nan_frac": nan_fraction(o),
   }
+
+
+def exact_attention(q, k, v, *, scale=None, is_causal=False, kv_lens=None,
+                    bias=None, mask=None) -> np.ndarray:
+  """The float64 ground truth: textbook ``softmax(Q K^T scale + bias) V`` in
+  numpy on BTNH arrays (GQA by repeating K and V), with the same masking as
+  ``jaxattn.dot_product_attention`` (top-left causal, ``kv_lens``, boolean
+  ``mask``); rows that see no key are zero."""
+  q, k, v = (np.asarray(np.asarray(x, np.float32), np.float64)
+             for x in (q, k, v))
+  t, n, d = q.shape[1:]
+  s_len, nk = k.shape[1], k.shape[2]
+  k, v = np.repeat(k, n // nk, axis=2), np.repeat(v, n // nk, axis=2)
+  scale = 1.0 / np.sqrt(d) if scale is None else scale
+  s = np.einsum("btnd,bsnd->bnts", q, k) * scale
+  if bias is not None:
+    s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
+  vis = np.ones(s.shape, bool)
+  if kv_lens is not None:
+    vis &= (np.arange(s_len)[None, :] < np.asarray(kv_lens)[:, None])[
+        :, None, None, :]
+  if is_causal:
+    vis &= np.tril(np.ones((t, s_len), bool))
+  if mask is not None:
+    vis &= np.broadcast_to(np.asarray(mask), s.shape)
+  s = np.where(vis, s, -np.inf)
+  mx = s.max(-1, keepdims=True)
+  p = np.where(vis, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
+  den = p.sum(-1, keepdims=True)
+  return np.einsum("bnts,bsnd->btnd", p / np.where(den == 0, 1, den), v)
+

@@ -25,22 +25,7 @@ import numpy as np
 
 import jaxattn
 from jaxattn import data, metrics
-
-
-def exact_attention(q, k, v, *, scale=None, is_causal=False):
-  """Textbook softmax attention in float64 (numpy), BTNH, with GQA."""
-  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
-  g = q.shape[2] // k.shape[2]
-  k, v = np.repeat(k, g, axis=2), np.repeat(v, g, axis=2)
-  scale = 1.0 / np.sqrt(q.shape[-1]) if scale is None else scale
-  s = np.einsum("btnd,bsnd->bnts", q, k) * scale
-  if is_causal:
-    t, sk = s.shape[-2:]
-    s = np.where(np.tril(np.ones((t, sk), bool)), s, -np.inf)
-  s -= s.max(-1, keepdims=True)
-  p = np.exp(s)
-  p /= p.sum(-1, keepdims=True)
-  return np.einsum("bnts,bsnd->btnd", p, v)
+from jaxattn.metrics import exact_attention
 
 
 def mean_relative_error(out, ref) -> float:

@@ -187,21 +187,11 @@ class SageConfig(base.MethodConfig):
 
   @classmethod
   def from_options(cls, **options) -> "SageConfig":
-    names = [f.name for f in dataclasses.fields(cls)]
-    unknown = sorted(set(options) - set(names))
-    if unknown:
-      raise TypeError(
-          f"unknown option(s) {unknown} for {cls.__name__}; valid options: "
-          f"{names}")
     preset = options.get("preset")
-    values = {}
-    if preset is not None:
-      if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; valid presets: "
-                         f"{sorted(PRESETS)}")
-      values.update(PRESETS[preset])
-    values.update(options)
-    return cls(**values)
+    if preset is not None and preset not in PRESETS:
+      raise ValueError(f"unknown preset {preset!r}; valid presets: "
+                       f"{sorted(PRESETS)}")
+    return super().from_options(**{**PRESETS.get(preset, {}), **options})
 
   @property
   def bits(self) -> int:

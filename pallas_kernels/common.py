@@ -2,9 +2,20 @@
 the visibility mask, padding and the interpret-mode switch."""
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelParams:
+  """Block sizes, warps and software-pipelining stages of one kernel call."""
+  block_q: int
+  block_k: int
+  num_warps: int
+  num_stages: int
 
 
 def interpret() -> bool:

@@ -19,7 +19,6 @@ and the kernel runs steps 1-6 of Algorithm 1 in float16 exactly as
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -37,14 +36,6 @@ from pallas_kernels import common
 LOG2E = math.log2(math.e)
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelParams:
-  block_q: int
-  block_k: int
-  num_warps: int
-  num_stages: int
-
-
 # (precision, head_dim_padded) -> (block_q, block_k, num_warps, num_stages):
 # the best of benchmarks/sweep.py on an H100 (B=2 H=32 S=8192 D=128 and
 # B=4 H=32 S=4096 D=64, benchmarks/README.md); 256 is a guess that fits the
@@ -59,7 +50,8 @@ _TABLE = {
 }
 
 
-def kernel_params(precision: str, head_dim_padded: int, config) -> KernelParams:
+def kernel_params(precision: str, head_dim_padded: int,
+                  config) -> common.KernelParams:
   """Block sizes, warps and stages: the table, overridden by ``config``."""
   key = "pasa" if precision == "pasa" else "fp32"
   d = min(max(head_dim_padded, 64), 256)
@@ -68,7 +60,7 @@ def kernel_params(precision: str, head_dim_padded: int, config) -> KernelParams:
     bk = config.block_k  # the shifting matrix's size: part of the algorithm
   elif config.block_k is not None:
     bk = config.block_k
-  return KernelParams(
+  return common.KernelParams(
       block_q=config.block_q or bq, block_k=bk,
       num_warps=config.num_warps or warps,
       num_stages=config.num_stages or stages)

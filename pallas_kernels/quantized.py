@@ -25,7 +25,6 @@ key/value head.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 
@@ -54,19 +53,11 @@ _TABLE = {
 }
 
 
-@dataclasses.dataclass(frozen=True)
-class KernelParams:
-  block_q: int
-  block_k: int
-  num_warps: int
-  num_stages: int
-
-
-def kernel_params(head_dim_padded, config, block_k) -> KernelParams:
+def kernel_params(head_dim_padded, config, block_k) -> common.KernelParams:
   """Block sizes, warps and stages: the table, overridden by ``config``."""
   d = min(max(head_dim_padded, 64), 256)
   bq, warps, stages = _TABLE.get((d, block_k), _TABLE[(d, 64)])
-  return KernelParams(
+  return common.KernelParams(
       block_q=getattr(config, "block_q", None) or bq, block_k=block_k,
       num_warps=getattr(config, "num_warps", None) or warps,
       num_stages=getattr(config, "num_stages", None) or stages)

@@ -26,9 +26,12 @@ DEFAULT_CANDIDATES = [
 ]
 
 
-def time_call(fn, args, iters=10, reps=5):
-  """Median seconds per call of ``fn(*args)`` (device-synchronised)."""
-  jax.block_until_ready(fn(*args))
+def time_call(fn, args, iters=10, reps=5, warmup=2):
+  """Median over ``reps`` groups of ``iters`` back-to-back calls of the
+  seconds per call of ``fn(*args)``, after ``warmup`` calls (compilation),
+  synchronised on the device."""
+  for _ in range(warmup):
+    jax.block_until_ready(fn(*args))
   times = []
   for _ in range(reps):
     t0 = time.perf_counter()

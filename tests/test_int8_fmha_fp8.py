@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
+from jaxattn.metrics import exact_attention as textbook
 from jaxattn import fmha, fp8, int_flash, metrics
 
 F32 = np.float32
@@ -55,33 +56,6 @@ def std(variant, q, k, v, *, bias=None, mask=None, kv_lens=None, **kw):
   kv_lens = np.full(b, k.shape[1]) if kv_lens is None else kv_lens
   return attn(q, k, v, variant, bias=bias, mask=mask, block_k=BK,
               key_value_seq_lengths=jnp.asarray(kv_lens, jnp.int32), **kw)
-
-
-def textbook(q, k, v, *, scale=None, is_causal=False, kv_lens=None, bias=None,
-             mask=None):
-  """float64 softmax(Q K^T scale + bias) V on BTNH arrays (GQA by repeat)."""
-  q, k, v = (np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-             for x in (q, k, v))
-  t, n, d = q.shape[1:]
-  s_len, nk = k.shape[1], k.shape[2]
-  k, v = np.repeat(k, n // nk, axis=2), np.repeat(v, n // nk, axis=2)
-  scale = 1.0 / np.sqrt(d) if scale is None else scale
-  s = np.einsum("btnd,bsnd->bnts", q, k) * scale
-  if bias is not None:
-    s = s + np.broadcast_to(np.asarray(bias, np.float64), s.shape)
-  vis = np.ones(s.shape, bool)
-  if kv_lens is not None:
-    vis &= (np.arange(s_len)[None, :] < np.asarray(kv_lens)[:, None])[
-        :, None, None, :]
-  if is_causal:
-    vis &= np.tril(np.ones((t, s_len), bool))
-  if mask is not None:
-    vis &= np.broadcast_to(np.asarray(mask), s.shape)
-  s = np.where(vis, s, -np.inf)
-  mx = s.max(-1, keepdims=True)
-  p = np.where(vis, np.exp(s - np.where(np.isfinite(mx), mx, 0)), 0)
-  den = p.sum(-1, keepdims=True)
-  return np.einsum("bnts,bsnd->btnd", p / np.where(den == 0, 1, den), v)
 
 
 def qkv(seed, b=B, t=T, s=S, n=N, nk=NK, d=D, dist="normal",
