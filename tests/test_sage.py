@@ -462,3 +462,30 @@ def test_option_validation():
               dict(warp_rows=48), dict(warp_rows=0), dict(smooth_q="yes")):
     with pytest.raises(ValueError):
       attn(q, k, v, **bad)
+
+
+# ----------------------------------------------------------------------------
+# SageAttn-mix.
+
+
+def test_choose_precision_picks_8bit_for_the_worst_layers():
+  # Layers 0 and 2 carry much harder data for 4-bit (scores spread wide,
+  # as with channel outliers left after smoothing); 1 and 3 are benign.
+  calib = {}
+  for layer in range(4):
+    q, k, v = normal(layer, b=1, t=128, s=128)
+    if layer % 2 == 0:
+      q = q * 4.0
+    calib[f"layer{layer}"] = (q, k, v)
+  choice, scores = jaxattn.sage.choose_precision(calib, xi_percent=50,
+                                                 return_scores=True)
+  assert choice == {"layer0": "sage2-8b", "layer1": "sage2-4b",
+                    "layer2": "sage2-8b", "layer3": "sage2-4b"}
+  assert max(scores["layer0"], scores["layer2"]) < min(scores["layer1"],
+                                                       scores["layer3"])
+  assert set(jaxattn.sage.choose_precision(calib, xi_percent=0).values()) == {
+      "sage2-4b"}
+  assert set(jaxattn.sage.choose_precision(calib, xi_percent=100).values()) \
+      == {"sage2-8b"}
+  with pytest.raises(ValueError, match="xi_percent"):
+    jaxattn.sage.choose_precision(calib, xi_percent=120)
