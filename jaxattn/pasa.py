@@ -168,7 +168,8 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
       to the compute dtype, float16 by default, as the paper prescribes for
       bfloat16).
   Returns:
-    float32 ``[T, Dv]`` holding the compute-dtype result.
+    ``[T, Dv]`` holding the compute-dtype result, in float32 (float64 when
+    computing in float64).
   """
   del shared
   cd = jnp.dtype(config.compute_dtype)
@@ -222,13 +223,14 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
           jnp.zeros((t,), jnp.int32))
   (m, l, o, f, _), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l)
+  out_dtype = jnp.promote_types(cd, jnp.float32)  # float64 stays float64
   if return_lse:
     # Scores are relative to the common reference beta F / (1 - beta).
     lse = (m.astype(acc) + inva.astype(acc) * f.astype(acc)
            + jnp.log(l.astype(acc)))
-    return out.astype(jnp.float32), jnp.where(l == 0, -jnp.inf, lse).astype(
-        jnp.float32)
-  return out.astype(jnp.float32)
+    return out.astype(out_dtype), jnp.where(l == 0, -jnp.inf, lse).astype(
+        out_dtype)
+  return out.astype(out_dtype)
 
 
 reference = base.vmap_heads(pasa_head)

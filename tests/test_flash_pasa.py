@@ -1,0 +1,343 @@
+"""The flash references ("fp32", "fp16_fp32", "fp16") and PASA: every method's
+reference against a float64 textbook attention, PASA's mathematical
+equivalence in float64, the optimal-beta solver (PASA Table 3), the NaN
+behaviour of the PASA paper's Table 4 on a reduced shape, the key shifting,
+and the resonance overflow.
+
+XLA takes ~1 s to compile each reference on CPU, so the accuracy outputs are
+computed once per (method, causal) and shared (``functools.cache``).
+"""
+import contextlib
+import functools
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxattn
+from jaxattn import data, metrics, pasa
+from jaxattn.metrics import exact_attention as textbook
+
+F32 = np.float32
+
+
+def attn(q, k, v, method, **kw):
+  return jaxattn.dot_product_attention(q, k, v, method=method,
+                                       implementation="reference", **kw)
+
+
+@contextlib.contextmanager
+def x64():
+  """``jax_enable_x64`` on inside the block, restored afterwards."""
+  if hasattr(jax, "enable_x64"):  # the config context manager (jax >= 0.8)
+    with jax.enable_x64(True):
+      yield
+    return
+  old = jax.config.read("jax_enable_x64")
+  jax.config.update("jax_enable_x64", True)
+  try:
+    yield
+  finally:
+    jax.config.update("jax_enable_x64", old)
+
+
+def textbook64(q, k, v, *, is_causal=False, kv_lens=None, scale=None):
+  """Float64 textbook attention of float64 inputs (``exact_attention`` first
+  rounds its inputs to float32, which would hide float64 equivalence)."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
+  t, s, d = q.shape[1], k.shape[1], q.shape[-1]
+  scale = 1.0 / np.sqrt(d) if scale is None else scale
+  sc = np.einsum("btnd,bsnd->bnts", q, k) * scale
+  vis = np.ones(sc.shape, bool)
+  if kv_lens is not None:
+    vis &= (np.arange(s)[None] < np.asarray(kv_lens)[:, None])[:, None, None]
+  if is_causal:
+    vis &= np.tril(np.ones((t, s), bool))
+  sc = np.where(vis, sc, -np.inf)
+  mx = sc.max(-1, keepdims=True)
+  p = np.where(vis, np.exp(sc - np.where(np.isfinite(mx), mx, 0.0)), 0.0)
+  den = p.sum(-1, keepdims=True)
+  return np.einsum("bnts,bsnd->btnd", p / np.where(den == 0, 1, den), v)
+
+
+# ----------------------------------------------------------------------------
+# Every method against float64 on N(0, 1) data.
+
+B, T, S, N, D = 2, 150, 130, 2, 64   # cross-attention, odd key blocks
+LENS = np.array([S, 77], np.int32)   # the causal variant also pads
+
+
+@functools.cache
+def _normal_qkv():
+  r = np.random.default_rng(0)
+  return (r.standard_normal((B, T, N, D), dtype=F32),
+          r.standard_normal((B, S, N, D), dtype=F32),
+          r.standard_normal((B, S, N, D), dtype=F32))
+
+
+@functools.cache
+def _normal_out(method, causal):
+  q, k, v = _normal_qkv()
+  kw = dict(is_causal=True, key_value_seq_lengths=LENS) if causal else {}
+  return np.asarray(attn(q, k, v, method, **kw))
+
+
+@functools.cache
+def _normal_ref(causal):
+  q, k, v = _normal_qkv()
+  if causal:
+    return textbook(q, k, v, is_causal=True, kv_lens=LENS)
+  return textbook(q, k, v)
+
+
+# Relative RMSE vs float64 at B=2 T=150 S=130 N=2 D=64, float32 inputs
+# (default options).  Measured, seeds 0-3, non-causal / causal with lengths
+# [130, 77]:
+#   fp32       3.30e-7 - 3.37e-7 / 2.09e-7 - 2.19e-7
+#   fp16_fp32  5.71e-4 - 5.83e-4 / 4.31e-4 - 4.52e-4
+#   fp16       7.82e-4 - 8.13e-4 / 6.09e-4 - 6.29e-4
+#   pasa       9.17e-4 - 9.70e-4 / 6.29e-4 - 6.58e-4
+#   sage       3.50e-2 - 3.56e-2 / 3.18e-2 - 3.25e-2
+#   int8       1.83e-2 - 1.89e-2 / 1.34e-2 - 1.42e-2
+#   fmha_int8  2.10e-2 - 2.53e-2 / 2.67e-2 - 3.09e-2
+#   fp8        5.03e-2 - 5.29e-2 / 4.21e-2 - 4.43e-2
+# The bounds are ~2-3x the worst; the floors (~1/4 of the best) check that
+# the low precision is really emulated.
+ACCURACY = {  # method: (floor, bound)   seed 0 non-causal / causal
+    "fp32": (0.0, 1e-6),                 # 3.32e-7 / 2.09e-7
+    "fp16_fp32": (1e-4, 1.5e-3),         # 5.71e-4 / 4.31e-4
+    "fp16": (1.5e-4, 2e-3),              # 7.82e-4 / 6.09e-4
+    "pasa": (1.5e-4, 2.5e-3),            # 9.63e-4 / 6.45e-4
+    "sage": (8e-3, 8e-2),                # 3.50e-2 / 3.18e-2
+    "int8": (3e-3, 4.5e-2),              # 1.85e-2 / 1.37e-2
+    "fmha_int8": (5e-3, 7e-2),           # 2.18e-2 / 2.67e-2
+    "fp8": (1e-2, 1.2e-1),               # 5.17e-2 / 4.21e-2
+}
+
+
+def test_accuracy_table_covers_every_method():
+  assert sorted(ACCURACY) == sorted(jaxattn.METHODS)
+  assert len(jaxattn.METHODS) == 8
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal_pad"])
+@pytest.mark.parametrize("method", sorted(ACCURACY))
+def test_reference_accuracy_vs_float64(method, causal):
+  out = _normal_out(method, causal)
+  assert out.shape == (B, T, N, D) and out.dtype == np.float32
+  assert metrics.nonfinite_fraction(out) == 0.0
+  err = metrics.relative_rmse(out, _normal_ref(causal))
+  lo, hi = ACCURACY[method]
+  assert lo <= err < hi, (method, causal, err)
+
+
+def test_fp16_agrees_with_fp32_on_benign_data():
+  for causal in (False, True):
+    o16, o32 = _normal_out("fp16", causal), _normal_out("fp32", causal)
+    # Measured 7.8e-4 (full) / 6.1e-4 (causal, padded): float16 rounding.
+    err = metrics.relative_rmse(o16, o32)
+    assert 1e-4 < err < 2e-3, (causal, err)
+    assert np.abs(o16 - o32).max() < 1e-2   # measured 1.1e-3 / 2.5e-3
+
+
+# ----------------------------------------------------------------------------
+# PASA in float64 is attention, exactly.
+
+BETAS = (0.0, 0.3, 0.9, 0.984497)
+# Odd lengths, 5 key blocks of 32 (the last one holds 5 keys), batch 1 padded
+# to 50 keys (a partial block in the middle), 67 query rows (causal rows see
+# 1..67 keys).
+T64, S64, BK64 = 67, 133, 32
+LENS64 = np.array([S64, 50], np.int32)
+
+
+@functools.cache
+def _pasa64(beta, causal):
+  r = np.random.default_rng(64)
+  q = r.standard_normal((2, T64, 2, 64))
+  k = r.standard_normal((2, S64, 2, 64)) + 3.0   # a key mean to shift away
+  v = r.standard_normal((2, S64, 2, 64))
+  with x64():
+    out = attn(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), "pasa",
+               beta=beta, compute_dtype="float64", block_k=BK64,
+               is_causal=causal, key_value_seq_lengths=jnp.asarray(LENS64))
+    dtype, out = out.dtype, np.asarray(out)
+  assert not jax.config.read("jax_enable_x64")  # restored
+  ref = textbook64(q, k, v, is_causal=causal, kv_lens=LENS64)
+  return dtype, out, ref
+
+
+@pytest.mark.parametrize("beta", BETAS)
+def test_pasa_float64_equals_attention_to_1e_10(beta):
+  """With compute_dtype=float64, PASA is attention for any beta (the paper's
+  mathematical equivalence): measured max |out - ref| 1.7e-15 to 2.6e-14."""
+  for causal in (False, True):
+    dtype, out, ref = _pasa64(beta, causal)
+    assert dtype == jnp.float64
+    assert np.isfinite(out).all()
+    assert np.abs(out - ref).max() < 1e-10, (beta, causal)
+
+
+def test_pasa_float64_needs_x64():
+  q = np.zeros((1, 4, 1, 16), F32)
+  with pytest.raises(ValueError, match="jax_enable_x64"):
+    attn(q, q, q, "pasa", compute_dtype="float64")
+
+
+# ----------------------------------------------------------------------------
+# optimal_beta: PASA Table 3.
+
+
+@pytest.mark.parametrize("beta0, expected", [
+    (1 - 2.0**-4, 0.937500),
+    (1 - 2.0**-5, 0.968994),
+    (1 - 2.0**-6, 0.984497),
+])
+def test_optimal_beta_table3(beta0, expected):
+  beta = pasa.optimal_beta(beta0, 128, jnp.float16)
+  assert round(beta, 6) == expected
+  # A fixed point: one more iteration from it changes nothing.
+  assert abs(pasa.optimal_beta(beta, 128, jnp.float16) - beta) < 1e-9
+
+
+def test_optimal_beta_default_is_the_pasa_config_default():
+  assert round(pasa.optimal_beta(), 6) == 0.984497
+  assert pasa.PasaConfig().resolved_beta == pasa.optimal_beta(
+      1 - 2.0**-6, 128, "float16")
+
+
+@pytest.mark.parametrize("beta0", [0.0, 1.0, -0.5, 1.5])
+def test_optimal_beta_bad_beta0(beta0):
+  with pytest.raises(ValueError, match="beta0"):
+    pasa.optimal_beta(beta0, 128, jnp.float16)
+
+
+def test_optimal_beta_bad_n():
+  with pytest.raises(ValueError, match="n must be"):
+    pasa.optimal_beta(0.9, 0, jnp.float16)
+
+
+# ----------------------------------------------------------------------------
+# PASA Table 4, reduced to (B, S, N, D) = (1, 256, 2, 128).
+
+T4_SHAPE = (1, 256, 2, 128)
+# pasa relative RMSE vs float64 at T4_SHAPE, key 0 (keys 1, 2), and the bound.
+# fp16_fp32 NaN fraction at key 0: 100%, 0, 2.3%, 100%, 0, 0 (keys 1-2 give
+# 0-11% on the x0=20 cases); fp32 relative RMSE <= 1.5e-4.
+T4_PASA_BOUND = {
+    "uniform_x0=30_am=0.5": 1e-2,   # 3.46e-3 (3.7e-4, 1.7e-3)
+    "uniform_x0=20_am=15": 5e-2,    # 1.97e-2 (1.7e-2, 1.8e-2)
+    "uniform_x0=20_am=20": 8e-2,    # 3.32e-2 (1.6e-2, 2.2e-2)
+    "hybrid_x0=30_am=10": 4e-2,     # 1.49e-2 (8.0e-5, 5.6e-3)
+    "hybrid_x0=20_am=50": 1.2e-2,   # 3.94e-3 (3.2e-4, 4.7e-5)
+    "hybrid_x0=20_am=100": 1e-2,    # 3.05e-3 (3.6e-4, 5.9e-5)
+}
+
+
+def test_table4_nan_behaviour():
+  assert sorted(T4_PASA_BOUND) == sorted(
+      c["name"] for c in data.PASA_TABLE4_CASES)
+  for case in data.PASA_TABLE4_CASES:
+    name = case["name"]
+    q, k, v = data.pasa_case(jax.random.key(0), case, T4_SHAPE)
+    ref = textbook(q, k, v)
+    out = {m: attn(q, k, v, m) for m in ("fp16_fp32", "pasa", "fp32")}
+    nan = {m: metrics.nan_fraction(o) for m, o in out.items()}
+    if case["x0"] == 30.0:   # every unscaled score is ~ 115000 > 65504
+      assert nan["fp16_fp32"] == 1.0, (name, nan)
+    assert nan["pasa"] == 0.0 and nan["fp32"] == 0.0, (name, nan)
+    assert metrics.nonfinite_fraction(out["pasa"]) == 0.0, name
+    err = metrics.relative_rmse(out["pasa"], ref)
+    assert err < T4_PASA_BOUND[name], (name, err)
+    assert metrics.relative_rmse(out["fp32"], ref) < 5e-4, name
+  # (uniform x0=20, am=20 overflows some rows of fp16_fp32 too: 2.3%.)
+
+
+# ----------------------------------------------------------------------------
+# shift_keys: K'_j = scale * M^T K_j.
+
+
+def _explicit_shift(k, kv_len, beta, scale, bk, cd):
+  """numpy float64 ``scale * M^T K_j`` per block, invisible rows (beyond
+  kv_len, block padding) filled with the mean of the block's visible keys."""
+  s, d = k.shape
+  kc = np.asarray(k).astype(cd).astype(np.float64)
+  m = np.asarray(pasa.shifting_matrix(beta, bk, cd)).astype(np.float64)
+  nb = -(-s // bk)
+  blocks, filled = [], []
+  for j in range(nb):
+    blk = np.zeros((bk, d))
+    rows = kc[j * bk:(j + 1) * bk]
+    blk[:len(rows)] = rows
+    nvis = int(np.clip(min(kv_len, s) - j * bk, 0, bk))
+    mean = blk[:nvis].mean(0) if nvis else np.zeros(d)
+    blk[nvis:] = np.asarray(mean).astype(cd)
+    filled.append(blk)
+    blocks.append(m.T @ blk * scale)
+  return np.stack(blocks), np.stack(filled)
+
+
+def test_shifting_matrix_values():
+  for cd in (np.float16, np.float32):
+    m = np.asarray(pasa.shifting_matrix(0.984497, 128, cd))
+    assert m.dtype == cd and m.shape == (128, 128)
+    assert m[0, 0] == cd(1 - 0.984497 / 128) and m[3, 7] == cd(-0.984497 / 128)
+    assert np.all(m == m.T)
+    np.testing.assert_array_equal(np.diag(m), np.full(128, m[0, 0]))
+
+
+@pytest.mark.parametrize("cd", ["float32", "float16"])
+def test_shift_keys_is_explicit_shift(cd):
+  r = np.random.default_rng(5)
+  s, d, bk, beta, scale = 150, 64, 64, 0.984497, 0.125
+  k = (r.standard_normal((s, d)) + 20.0).astype(F32)   # key mean ~20
+  for kv_len in (s, 90):   # 3 blocks (the last partial); 90: block 1 partial
+    out = np.asarray(pasa.shift_keys(
+        jnp.asarray(k), jnp.int32(kv_len), beta=beta, scale=scale,
+        block_k=bk, compute_dtype=cd))
+    assert out.dtype == np.dtype(cd) and out.shape == (3, bk, d)
+    expected, filled = _explicit_shift(k, kv_len, beta, scale, bk, cd)
+    # Max error relative to the block's largest shifted key; measured
+    # float32 2.1e-6 - 5.4e-6, float16 2.5e-4 - 2.9e-4 (fp16 half ulp 4.9e-4).
+    tol = 2e-5 if cd == "float32" else 1e-3
+    for j in range(3):
+      scale_j = max(np.abs(expected[j]).max(), 1e-30)
+      assert np.abs(out[j] - expected[j]).max() <= tol * scale_j, (kv_len, j)
+    # The shift removes beta times the block mean from every row:
+    # K'/scale = K_j - beta mean(K_j)  (measured max abs error 1.9e-5 in
+    # float32, 4.2e-3 in float16, on values ~1), so the block mean drops from
+    # ~20 to (1 - beta) ~20 = ~0.31.
+    shifted = out.astype(np.float64) / scale
+    want = filled - beta * filled.mean(axis=1, keepdims=True)
+    tol_rows = 1e-4 if cd == "float32" else 1.5e-2
+    assert np.abs(shifted - want).max() < tol_rows, kv_len
+    for j in range(2 if kv_len == 90 else 3):
+      before = filled[j].mean(0)
+      after = shifted[j].mean(0)
+      np.testing.assert_allclose(after, (1 - beta) * before, rtol=0.05,
+                                 atol=0.01)
+      assert np.abs(before).min() > 15 and np.abs(after).max() < 0.5
+    if kv_len == 90:   # block 2 sees no key: filled with zeros
+      np.testing.assert_array_equal(out[2], 0)
+
+
+# ----------------------------------------------------------------------------
+# Resonance: the PASA paper's overflow mechanism.
+
+
+def test_resonance_overflows_fp16_fp32_but_not_pasa():
+  q, k, v = data.resonance(jax.random.key(0), T4_SHAPE)
+  ref = textbook(q, k, v)
+  o16 = attn(q, k, v, "fp16_fp32")
+  assert metrics.nan_fraction(o16) == 1.0      # every score > 65504
+  op = attn(q, k, v, "pasa")
+  assert metrics.nonfinite_fraction(op) == 0.0
+  # Measured 0.112 (key 0; keys 1, 2: 9.4e-4, 7.5e-3): the softmax is nearly
+  # one-hot and float16 scores decide the winner; fp32 3.6e-4.
+  assert metrics.relative_rmse(op, ref) < 0.3
+  assert metrics.relative_rmse(attn(q, k, v, "fp32"), ref) < 1e-3
+  # Out of phase the scores are ~ -4096: no overflow, no NaN.
+  q2, k2, v2 = data.resonance(jax.random.key(0), T4_SHAPE, out_of_phase=True)
+  assert metrics.nan_fraction(attn(q2, k2, v2, "fp16_fp32")) == 0.0
