@@ -25,7 +25,8 @@ def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
           f"without batch), got shape {x.shape}")
     if jnp.dtype(x.dtype) not in [jnp.dtype(d) for d in _FLOAT_DTYPES]:
       raise TypeError(
-          f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+          f"{name} must be float16, bfloat16, float32 or float64, got "
+          f"{x.dtype}")
   if not query.ndim == key.ndim == value.ndim:
     raise ValueError("query, key and value must have the same rank, got "
                      f"{query.shape}, {key.shape}, {value.shape}")

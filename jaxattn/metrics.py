@@ -119,8 +119,7 @@ def exact_attention(q, k, v, *, scale=None, is_causal=False, kv_lens=None,
   numpy on BTNH arrays (GQA by repeating K and V), with the same masking as
   ``jaxattn.dot_product_attention`` (top-left causal, ``kv_lens``, boolean
   ``mask``); rows that see no key are zero."""
-  q, k, v = (np.asarray(np.asarray(x, np.float32), np.float64)
-             for x in (q, k, v))
+  q, k, v = (np.asarray(x).astype(np.float64) for x in (q, k, v))
   t, n, d = q.shape[1:]
   s_len, nk = k.shape[1], k.shape[2]
   k, v = np.repeat(k, n // nk, axis=2), np.repeat(v, n // nk, axis=2)
