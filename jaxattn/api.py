@@ -113,9 +113,29 @@ def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
   fn = m.reference if implementation == "reference" else m.pallas
   out = fn(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
            config=config)
+  if m.quantized:
+    out = _propagate_nonfinite(out, q, k, v, kv_lens)
   if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
     return out
   return out.astype(q.dtype)
+
+
+def _propagate_nonfinite(out, q, k, v, kv_lens):
+  """NaN where a non-finite input reaches: a quantizer turns NaN/Inf into
+  finite integers (or a zero scale), so the quantized methods would
+  otherwise return finite, wrong numbers.  A non-finite query row poisons its
+  own output row; a non-finite key or value before ``kv_len`` poisons every
+  row of the heads that read it.  An int8 output (a tuple) gets a NaN scale.
+  """
+  g = q.shape[2] // k.shape[2]
+  bad_q = ~jnp.isfinite(q).all(axis=-1)                       # [B, T, N]
+  seen = (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[..., None]
+  bad_kv = ((~jnp.isfinite(k).all(axis=-1) | ~jnp.isfinite(v).all(axis=-1))
+            & seen).any(axis=1)                               # [B, K]
+  bad = bad_q | jnp.repeat(bad_kv, g, axis=1)[:, None, :]
+  if isinstance(out, tuple):
+    return (out[0], jnp.where(bad.any(), jnp.nan, out[1]), *out[2:])
+  return jnp.where(bad[..., None], jnp.nan, out)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,

@@ -74,6 +74,7 @@ class Method:
   reference: Callable[..., Any]
   pallas: Callable[..., Any] | None = None
   doc: str = ""
+  quantized: bool = False  # integer/fp8 quantizers swallow NaN and Inf
 
 
 _METHODS: dict[str, Method] = {}

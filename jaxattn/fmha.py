@@ -251,7 +251,8 @@ def reference(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
 
 base.register(base.Method(
     name="fmha_int8", config_cls=FmhaConfig, reference=reference,
-    doc="8-bit FMHA: per-tensor static/dynamic amax int8 Q/K/V/O, uint8 P"))
+    doc="8-bit FMHA: per-tensor static/dynamic amax int8 Q/K/V/O, uint8 P",
+    quantized=True))
 
 
 __all__ = ["FmhaConfig", "normalize_amax", "fmha_amax", "fmha_quantize",

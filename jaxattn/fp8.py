@@ -188,7 +188,8 @@ reference = base.vmap_heads(fp8_head)
 base.register(base.Method(
     name="fp8", config_cls=Fp8Config, reference=reference,
     doc="FlashAttention-3-style FP8: e4m3 Q/K/V/P, per-tensor or per-block "
-        "descales, float32 accumulation"))
+        "descales, float32 accumulation",
+    quantized=True))
 
 
 __all__ = ["Fp8Config", "quantize_head", "fp8_quantize", "fp8_head",

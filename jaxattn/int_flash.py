@@ -237,7 +237,8 @@ reference = base.vmap_heads(int8_head)
 base.register(base.Method(
     name="int8", config_cls=Int8Config, reference=reference,
     doc="INT-FlashAttention: token-level int8 Q/K, int8 V and P (int32 "
-        "matmuls); pv_dtype='fp16' is the half-INT8 variant"))
+        "matmuls); pv_dtype='fp16' is the half-INT8 variant",
+    quantized=True))
 
 
 __all__ = ["Int8Config", "quantize_kv_head", "quantize_head", "int8_quantize",

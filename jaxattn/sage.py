@@ -455,7 +455,8 @@ reference = base.vmap_heads(sage_head)
 base.register(base.Method(
     name="sage", config_cls=SageConfig, reference=reference,
     doc="SageAttention2: smoothed int8/int4 QK (per-warp scales), fp8 PV "
-        "with per-channel V scales; presets sage2-8b, sage2-4b, sage1"))
+        "with per-channel V scales; presets sage2-8b, sage2-4b, sage1",
+    quantized=True))
 
 
 def choose_precision(calibration, *, xi_percent: float, low: str = "sage2-4b",

@@ -400,3 +400,29 @@ def test_gqa_equals_repeated_kv(method):
   assert out.shape == rep.shape == q.shape
   # (jnp.repeat gives heads [0, 0, 1, 1]: query heads 0, 1 use key head 0.)
   assert float(jnp.abs(out - rep).max()) <= GQA_TOL[method]
+
+
+@pytest.mark.parametrize("method,impl", [
+    ("sage", "reference"), ("sage", "pallas"), ("int8", "reference"),
+    ("int8", "pallas"), ("fmha_int8", "reference"), ("fmha_int8", "pallas"),
+    ("fp8", "reference")])
+def test_quantized_methods_propagate_nonfinite(method, impl):
+  """Quantizers would turn NaN/Inf into finite integers: the API makes the
+  rows a non-finite input reaches NaN instead of silently wrong numbers."""
+  q = jax.random.normal(jax.random.key(11), (2, 32, 2, 64), jnp.float16)
+  lens = jnp.array([32, 10])
+  out = np.asarray(jaxattn.dot_product_attention(
+      q.at[0, 3, 0, 5].set(jnp.nan), q, q, method=method,
+      implementation=impl, key_value_seq_lengths=lens), np.float32)
+  assert np.isnan(out[0, 3, 0]).all()
+  assert np.isfinite(out[1]).all()          # another batch element: clean
+  k_inf = q.at[1, 5, 1, 0].set(jnp.inf)      # a visible key of batch 1
+  out = np.asarray(jaxattn.dot_product_attention(
+      q, k_inf, q, method=method, implementation=impl,
+      key_value_seq_lengths=lens), np.float32)
+  assert np.isnan(out[1, :, 1]).all()
+  k_pad = q.at[1, 20, 1, 0].set(jnp.nan)     # past kv_len: never seen
+  out = np.asarray(jaxattn.dot_product_attention(
+      q, k_pad, q, method=method, implementation=impl,
+      key_value_seq_lengths=lens), np.float32)
+  assert np.isfinite(out).all()
