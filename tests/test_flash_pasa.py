@@ -341,3 +341,22 @@ def test_resonance_overflows_fp16_fp32_but_not_pasa():
   # Out of phase the scores are ~ -4096: no overflow, no NaN.
   q2, k2, v2 = data.resonance(jax.random.key(0), T4_SHAPE, out_of_phase=True)
   assert metrics.nan_fraction(attn(q2, k2, v2, "fp16_fp32")) == 0.0
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_every_method_at_the_extreme_head_dims(head_dim):
+  """Head dims 32 and 256 (the supported range's ends) for every reference,
+  and the fp32 / pasa / sage kernels in interpret mode (256: padded
+  power-of-two tiles).  Bounds: ACCURACY's, doubled (one seed, fewer
+  rows; head dim changes the score spread)."""
+  kq, kk, kv = jax.random.split(jax.random.key(head_dim), 3)
+  q, k, v = (jax.random.normal(x, (1, 40, 2, head_dim), jnp.float32)
+             for x in (kq, kk, kv))
+  ref = textbook(q, k, v, is_causal=True)
+  for method in jaxattn.METHODS:
+    out = attn(q, k, v, method, is_causal=True)
+    assert metrics.relative_rmse(out, ref) < 2 * ACCURACY[method][1], method
+  for method in ("fp32", "pasa", "sage"):
+    out = jaxattn.dot_product_attention(q, k, v, method=method, is_causal=True,
+                                        implementation="pallas")
+    assert metrics.relative_rmse(out, ref) < 2 * ACCURACY[method][1], method
