@@ -205,6 +205,13 @@ def block_inputs(k, v, bias, mask, kv_len, *, t: int, block_k: int,
   return xs
 
 
+def softmax_state(t: int, dv: int, dtype=jnp.float32):
+  """The initial online-softmax state ``(m, l, O)`` of ``t`` query rows:
+  ``(-inf, 0, 0)`` with ``O`` of width ``dv``."""
+  return (jnp.full((t,), -jnp.inf, dtype), jnp.zeros((t,), dtype),
+          jnp.zeros((t, dv), dtype))
+
+
 def safe_max(m):
   """``m`` with ``-inf`` replaced by 0, so that ``exp(s - m)`` of a row that
   has seen no key yet is ``exp(-inf) = 0`` rather than NaN."""

@@ -98,8 +98,7 @@ def flash_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     o = alpha[:, None] * o + pv.astype(stat)
     return (m_new, l, o), None
 
-  init = (jnp.full((t,), -jnp.inf, stat), jnp.zeros((t,), stat),
-          jnp.zeros((t, dv), stat))
+  init = base.softmax_state(t, dv, stat)
   (m, l, o), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l).astype(f32)
   if return_lse:

@@ -227,8 +227,7 @@ def fmha_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     return (jnp.where(seen, m_new, m), jnp.where(seen, l_new, l),
             jnp.where(seen[:, None], o_new, o)), None
 
-  init = (jnp.full((t,), -jnp.inf, f32), jnp.zeros((t,), f32),
-          jnp.zeros((t, dv), f32))
+  init = base.softmax_state(t, dv)
   (_, _, o), _ = jax.lax.scan(step, init, xs)
   return o
 

@@ -223,8 +223,7 @@ def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     o = alpha[:, None] * o + pv
     return (m_new, l, o), None
 
-  init = (jnp.full((t,), -jnp.inf, f32), jnp.zeros((t,), f32),
-          jnp.zeros((t, dv), f32))
+  init = base.softmax_state(t, dv)
   (_, l, o), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l)
   if full and not per_block_v:

@@ -218,8 +218,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     return (keep(m_new, m), keep(l_new, l), keep(o_new, o), keep(f_new, f),
             keep(j, count)), None
 
-  init = (jnp.full((t,), -jnp.inf, cd), jnp.zeros((t,), cd),
-          jnp.zeros((t, dv), cd), jnp.zeros((t,), cd),
+  init = (*base.softmax_state(t, dv, cd), jnp.zeros((t,), cd),
           jnp.zeros((t,), jnp.int32))
   (m, l, o, f, _), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l)

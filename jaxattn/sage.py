@@ -440,8 +440,7 @@ def sage_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     o = alpha[:, None] * o + o_blk
     return (m_new, l, o), None
 
-  init = (jnp.full((t,), -jnp.inf, f32), jnp.zeros((t,), f32),
-          jnp.zeros((t, dv), f32))
+  init = base.softmax_state(t, dv)
   (_, l, o), _ = jax.lax.scan(step, init, xs)
   seen = (l > 0)[:, None]  # base.finalize, as a reciprocal (1/0 := 0)
   out = jnp.where(seen, o * quant.reciprocal(l)[:, None], 0.0)
