@@ -1,0 +1,272 @@
+"""``jaxattn.torch``: jaxattn's methods on torch tensors through DLPack.
+
+Results are compared with ``jaxattn.dot_product_attention`` on the same data
+(and with torch SDPA for "fp32"), in both layouts, causal, GQA, bfloat16 and
+float8 inputs; zero-copy is checked by buffer pointers on both sides; every
+refused input has its error.  Shapes are small: B=2, N=4 query heads, K=2
+key heads, T=16, S=24, H=32.
+"""
+import inspect
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import jaxattn
+import jaxattn.torch as jt
+
+B, N, K, T, S, H = 2, 4, 2, 16, 24, 32
+REF = dict(implementation="reference")
+
+
+def hnd(seed, dtype=torch.float32, n=N, nk=K, t=T, s=S):
+  """q, k, v ``[B, heads, seq, H]`` (HND)."""
+  g = torch.Generator().manual_seed(seed)
+  return tuple(torch.randn(shape, generator=g).to(dtype)
+               for shape in ((B, n, t, H), (B, nk, s, H), (B, nk, s, H)))
+
+
+def btnh(x, dtype=None):
+  """An HND torch tensor as a BTNH jax array (exact: float32 round trip)."""
+  array = jnp.asarray(x.float().numpy().transpose(0, 2, 1, 3))
+  return array.astype(dtype or jnp.dtype(str(x.dtype).split(".")[1]))
+
+
+def to_hnd(array):
+  return np.asarray(jnp.asarray(array, jnp.float32)).transpose(0, 2, 1, 3)
+
+
+def jaxattn_hnd(q, k, v, dtype=None, **kw):
+  """jaxattn.dot_product_attention on the same data, as float32 HND numpy."""
+  out = jaxattn.dot_product_attention(btnh(q, dtype), btnh(k, dtype),
+                                      btnh(v, dtype), **REF, **kw)
+  return to_hnd(out)
+
+
+def sdpa(q, k, v, **kw):
+  return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
+
+
+# SDPA float32 vs jaxattn "fp32": measured max |diff| 2.4e-7 at these shapes.
+SDPA_ATOL = 2e-6
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_fp32_matches_sdpa_and_jaxattn(layout, is_causal):
+  q, k, v = hnd(0)
+  args = (q, k, v) if layout == "HND" else \
+      tuple(x.transpose(1, 2).contiguous() for x in (q, k, v))
+  out = jt.attention(*args, tensor_layout=layout, is_causal=is_causal, **REF)
+  assert out.dtype == torch.float32 and isinstance(out, torch.Tensor)
+  if layout == "NHD":
+    assert out.shape == (B, T, N, H)
+    out = out.transpose(1, 2)
+  assert out.shape == (B, N, T, H)
+  want = sdpa(q, k, v, is_causal=is_causal)
+  assert (out - want).abs().max().item() < SDPA_ATOL
+  # Same numbers as jaxattn up to XLA's fusion around the transposes: the
+  # non-causal float32 case differs by at most 1 ulp (2.4e-7 measured).
+  np.testing.assert_allclose(out.numpy(),
+                             jaxattn_hnd(q, k, v, is_causal=is_causal),
+                             rtol=0, atol=5e-7)
+
+
+@pytest.mark.parametrize("method", ["fp16", "pasa", "sage", "int8", "fp8"])
+def test_methods_match_jaxattn_float16(method):
+  q, k, v = hnd(1, torch.float16)
+  out = jt.attention(q, k, v, method=method, is_causal=True, **REF)
+  assert out.dtype == torch.float16 and out.shape == (B, N, T, H)
+  want = jaxattn_hnd(q, k, v, method=method, is_causal=True)
+  np.testing.assert_array_equal(out.float().numpy(), want)
+  assert np.abs(want - sdpa(q.float(), k.float(), v.float(),
+                            is_causal=True).numpy()).max() < 0.2
+
+
+def test_bfloat16_input_and_output():
+  q, k, v = hnd(2, torch.bfloat16)
+  out = jt.attention(q, k, v, tensor_layout="HND", **REF)
+  assert out.dtype == torch.bfloat16
+  np.testing.assert_array_equal(out.float().numpy(),
+                                jaxattn_hnd(q, k, v, jnp.bfloat16))
+  want = sdpa(q.float(), k.float(), v.float())
+  assert (out.float() - want).abs().max().item() < 0.02
+
+
+def test_sageattn_signature_and_presets():
+  params = list(inspect.signature(jt.sageattn).parameters)
+  assert params[:7] == ["q", "k", "v", "tensor_layout", "is_causal",
+                        "sm_scale", "smooth_k"]
+  q, k, v = hnd(3, torch.float16)
+  out = jt.sageattn(q, k, v, tensor_layout="HND", is_causal=True, **REF)
+  assert out.dtype == torch.float16
+  np.testing.assert_array_equal(
+      out.float().numpy(),
+      jaxattn_hnd(q, k, v, method="sage", is_causal=True, preset="sage2-8b"))
+  out = jt.sageattn(*(x.transpose(1, 2) for x in (q, k, v)),
+                    tensor_layout="NHD", sm_scale=0.1, smooth_k=False,
+                    qk_quant_gran="per_block", preset="sage1", **REF)
+  np.testing.assert_array_equal(
+      out.transpose(1, 2).float().numpy(),
+      jaxattn_hnd(q, k, v, method="sage", scale=0.1, preset="sage1",
+                  smooth_k=False, qk_granularity="block"))
+
+
+def test_scale_masks_and_kv_lengths():
+  q, k, v = hnd(4)
+  g = torch.Generator().manual_seed(0)
+  keep = torch.rand(B, 1, T, S, generator=g) > 0.3
+  out = jt.attention(q, k, v, sm_scale=0.3, attn_mask=keep, **REF)
+  want = sdpa(q, k, v, attn_mask=keep, scale=0.3)
+  assert (out - want).abs().max().item() < SDPA_ATOL
+  bias = torch.randn(T, S)
+  out = jt.attention(q, k, v, attn_mask=bias, **REF)
+  assert (out - sdpa(q, k, v, attn_mask=bias)).abs().max().item() < SDPA_ATOL
+  lens = torch.tensor([5, 24])
+  out = jt.attention(q, k, v, key_value_seq_lengths=lens, **REF)
+  np.testing.assert_array_equal(
+      out.numpy(),
+      jaxattn_hnd(q, k, v, key_value_seq_lengths=jnp.array([5, 24])))
+  visible = (torch.arange(S) < lens[:, None])[:, None, None, :]
+  assert (out - sdpa(q, k, v, attn_mask=visible)).abs().max().item() < SDPA_ATOL
+
+
+def test_fmha_int8_returns_tuple_of_tensors():
+  q, k, v = hnd(5, torch.float16)
+  amax = {"q": 4.0, "k": 4.0, "v": 4.0, "o": 2.0}
+  o_int8, o_scale = jt.attention(q, k, v, method="fmha_int8", return_int8=True,
+                                 amax=amax, **REF)
+  assert o_int8.dtype == torch.int8 and o_int8.shape == (B, N, T, H)
+  assert o_scale.dtype == torch.float32 and o_scale.shape == ()
+  want_i8, want_scale = jaxattn.dot_product_attention(
+      btnh(q), btnh(k), btnh(v), method="fmha_int8", return_int8=True,
+      amax=amax, **REF)
+  np.testing.assert_array_equal(o_int8.numpy(), to_hnd(want_i8))
+  assert o_scale.item() == float(want_scale) == np.float32(2.0 / 127)
+
+
+@pytest.mark.parametrize("float8", [torch.float8_e4m3fn, torch.float8_e5m2],
+                         ids=["e4m3fn", "e5m2"])
+def test_float8_inputs_read_as_float16(float8):
+  q, k, v = (x.to(float8) for x in hnd(6))
+  out = jt.attention(q, k, v, is_causal=True, **REF)
+  assert out.dtype == torch.float16
+  want = jt.attention(*(x.half() for x in (q, k, v)), is_causal=True, **REF)
+  assert torch.equal(out, want)
+  mixed = jt.attention(q.half(), k, v.half(), is_causal=True, **REF)
+  assert torch.equal(mixed, want)
+
+
+def test_zero_copy_input_side():
+  q = hnd(7)[0]
+  array, (axes, float8) = jt._import_tensor(q)
+  assert array.unsafe_buffer_pointer() == q.data_ptr()
+  assert axes == (0, 1, 2, 3) and float8 is None
+  view = torch.randn(B, T, N, H).transpose(1, 2)  # HND view of NHD memory
+  array, (axes, _) = jt._import_tensor(view)
+  assert array.unsafe_buffer_pointer() == view.data_ptr()
+  np.testing.assert_array_equal(np.asarray(jnp.transpose(array, axes)),
+                                view.numpy())
+  f8 = q.to(torch.float8_e4m3fn)
+  array, (_, float8) = jt._import_tensor(f8)
+  assert array.unsafe_buffer_pointer() == f8.data_ptr()
+  assert array.dtype == jnp.uint8 and float8 == "float8_e4m3fn"
+  gaps = torch.randn(B, N, 2 * T, H)[:, :, ::2]  # no dense buffer: copied
+  array, (axes, _) = jt._import_tensor(gaps)
+  assert array.unsafe_buffer_pointer() != gaps.data_ptr()
+  np.testing.assert_array_equal(np.asarray(jnp.transpose(array, axes)),
+                                gaps.numpy())
+
+
+def test_zero_copy_output_side(monkeypatch):
+  exported = []
+  export = jt._export_array
+
+  def spy(array):
+    exported.append(array)
+    return export(array)
+
+  monkeypatch.setattr(jt, "_export_array", spy)
+  out = jt.attention(*hnd(8), **REF)
+  assert len(exported) == 1
+  assert out.data_ptr() == exported[0].unsafe_buffer_pointer()
+
+
+def test_non_contiguous_views_give_the_same_result():
+  q, k, v = hnd(9)
+  want = jt.attention(q, k, v, **REF)
+  q_view = q.transpose(1, 2).contiguous().transpose(1, 2)  # permuted view
+  k_gaps = torch.stack([k, torch.zeros_like(k)], dim=3).flatten(2, 3)[:, :, ::2]
+  v_expand = v[:, :1].expand(B, K, S, H)  # stride 0
+  assert not (q_view.is_contiguous() or k_gaps.is_contiguous()
+              or v_expand.is_contiguous())
+  assert torch.equal(jt.attention(q_view, k_gaps, v, **REF), want)
+  out = jt.attention(q, k, v_expand, **REF)
+  assert (out - sdpa(q, k, v_expand)).abs().max().item() < SDPA_ATOL
+
+
+def test_requires_grad_inputs_are_detached():
+  q, k, v = (x.requires_grad_() for x in hnd(10))
+  out = jt.attention(q, k, v, **REF)
+  assert not out.requires_grad
+  assert (out - sdpa(q, k, v).detach()).abs().max().item() < SDPA_ATOL
+
+
+def test_pallas_interpret_matches_reference():
+  q, k, v = hnd(11, n=2, nk=1, t=16, s=16)
+  out = jt.attention(q, k, v, is_causal=True, implementation="pallas",
+                     block_q=16, block_k=16)
+  want = jt.attention(q, k, v, is_causal=True, **REF)
+  assert (out - want).abs().max().item() < 1e-6
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor")
+def test_errors():
+  q, k, v = hnd(12)
+  with pytest.raises(ValueError, match="tensor_layout must be 'HND' or 'NHD'"):
+    jt.attention(q, k, v, tensor_layout="BTNH")
+  with pytest.raises(ValueError, match=r"q must have rank 4 \[batch, heads, "):
+    jt.attention(q[0], k, v)
+  with pytest.raises(ValueError, match=r"k must have rank 4 \[batch, seq, "):
+    jt.sageattn(q, k[0], v, tensor_layout="NHD")
+  with pytest.raises(TypeError, match="v must be a torch.Tensor"):
+    jt.attention(q, k, v.numpy())
+  for int4 in (torch.int4, torch.uint4, torch.quint4x2):
+    with pytest.raises(TypeError, match="4-bit tensors cannot cross DLPack"):
+      jt.attention(q, torch.empty(B, K, S, H, dtype=int4), v)
+  with pytest.raises(TypeError, match="must be float16, bfloat16, float32 or "
+                     "float8, got torch.int8"):
+    jt.attention(q.to(torch.int8), k, v)
+  with pytest.raises(TypeError, match="float64 but jax_enable_x64 is off"):
+    jt.attention(q.double(), k, v)
+  with pytest.raises(TypeError, match="attn_mask must be bool, float16, "
+                     "bfloat16, float32 or float8, got torch.int32"):
+    jt.attention(q, k, v, attn_mask=torch.ones(T, S, dtype=torch.int32))
+  meta = torch.empty(B, K, S, H, device="meta")
+  with pytest.raises(ValueError, match="one device, got q on cpu, k on meta"):
+    jt.attention(q, meta, v)
+  with pytest.raises(ValueError, match="attn_mask on meta"):
+    jt.attention(q, k, v, attn_mask=torch.ones(T, S, device="meta"))
+  with pytest.raises(ValueError, match="on meta cannot cross DLPack"):
+    jt.attention(*(torch.empty(x.shape, device="meta") for x in (q, k, v)))
+  if any(d.platform == "gpu" for d in jax.devices()):
+    assert jt._jax_device_kind(torch.device("cuda", 0)) is None
+  else:
+    with pytest.raises(RuntimeError, match="jax has no GPU backend"):
+      jt._jax_device_kind(torch.device("cuda", 0))
+  with pytest.raises(NotImplementedError, match="no dropout"):
+    jt.attention(q, k, v, dropout_p=0.1)
+  with pytest.raises(NotImplementedError, match="log-sum-exp"):
+    jt.sageattn(q, k, v, return_lse=True)
+  with pytest.raises(ValueError, match="qk_quant_gran must be one of"):
+    jt.sageattn(q, k, v, qk_quant_gran="per_thread")
+  with pytest.raises(TypeError, match="unknown option"):
+    jt.sageattn(q, k, v, pv_accum_dtype="fp32+fp16")
+  with pytest.raises(ValueError, match=r"key_value_seq_lengths must lie in "
+                     r"\[0, 24\]"):
+    jt.attention(q, k, v, key_value_seq_lengths=[3, 25])
+  with pytest.raises(ValueError, match="must be a multiple of key/value heads"):
+    jt.attention(q[:, :3], k, v, **REF)
