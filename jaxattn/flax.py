@@ -1,0 +1,216 @@
+"""Flax integration: jaxattn methods as the ``attention_fn`` of
+``flax.nnx.MultiHeadAttention`` and ``flax.linen.MultiHeadDotProductAttention``.
+
+::
+
+  from flax import nnx
+  import jaxattn.flax
+
+  layer = nnx.MultiHeadAttention(
+      num_heads=8, in_features=512, decode=False, rngs=nnx.Rngs(0),
+      attention_fn=jaxattn.flax.make_attention_fn("sage", preset="sage2-4b"))
+
+Per-layer choice (SageAttn-mix's 4-bit / 8-bit presets, PASA on the layers
+whose float16 scores overflow) is plain configuration: a mapping from a layer
+name *you* choose to a method, turned into one ``attention_fn`` per layer by
+:func:`attention_fns`::
+
+  choice = jaxattn.sage.choose_precision(calibration, xi_percent=30)
+  fns = jaxattn.flax.attention_fns(choice | {"layer_5": "pasa"},
+                                   default="fp32")
+  blocks = [Block(..., attention_fn=fns[f"layer_{i}"]) for i in range(n)]
+
+Flax's arguments and what happens to them:
+
+* ``query``, ``key``, ``value``: ``[batch..., length, heads, head_dim]`` (any
+  number of batch dims, also none), i.e. jaxattn's BTNH; extra batch dims are
+  flattened into one and restored.  Key/value heads may divide the query
+  heads (grouped-query attention, ``num_kv_heads``).
+* ``bias`` (float) and ``mask`` (True keeps a score; cast to bool as flax
+  does), broadcastable to ``[batch..., heads, q_len, kv_len]``.
+* ``is_causal`` (nnx): top-left aligned, as in flax and ``jax.nn``.
+* ``dtype``: as in flax's default, the inputs are cast to it (default: their
+  promoted dtype) and the output has it; the method's own arithmetic
+  (float16 scores, int8/int4/fp8 operands, float32 softmax) is unchanged.
+* ``dropout_rate`` > 0 with ``deterministic=False`` raises ``ValueError``:
+  flash kernels never form the attention weights, so there is nothing to drop
+  out.  Evaluation (``deterministic=True``) runs without dropout as flax does.
+* ``precision`` is ignored: ``jax.lax.Precision`` selects the XLA matmul
+  algorithm, whereas a jaxattn method fixes the precision of every operand
+  itself (that is its point), so there is no matmul left for it to govern.
+* ``module`` (passed for ``sow_weights=True``) is ignored: the weights are
+  never materialised, so nothing is sown.  ``force_fp32_for_softmax``
+  (linen) is ignored: every method keeps its softmax statistics in float32
+  except ``"fp16"``/``"pasa"``, whose float16 statistics are the point.
+* ``qk_attn_weights_einsum`` / ``attn_weights_value_einsum`` (linen, AQT)
+  must be None: the method computes both products itself.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import flax  # noqa: F401  (the integration requires Flax to be installed)
+import jax.numpy as jnp
+
+from jaxattn import api, base, sage
+
+AttentionFn = Callable[..., Any]
+
+
+def _flatten_batch(x, n_batch: int, batch_shape: tuple[int, ...]):
+  """``x``: ``[batch..., a, b, c]`` broadcastable to ``batch_shape`` in its
+  batch dims (missing leading dims count as 1) -> ``[prod(batch) or 1, a, b,
+  c]``; batch dims of size 1 everywhere stay a single broadcast dim."""
+  x = jnp.asarray(x)
+  x = x.reshape((1,) * (n_batch + 3 - x.ndim) + x.shape)
+  if all(d == 1 for d in x.shape[:n_batch]):
+    return x.reshape((1, *x.shape[n_batch:]))
+  x = jnp.broadcast_to(x, batch_shape + x.shape[n_batch:])
+  return x.reshape((math.prod(batch_shape), *x.shape[n_batch:]))
+
+
+def make_attention_fn(method: str = "fp32", implementation: str | None = None,
+                      **options: Any) -> AttentionFn:
+  """An ``attention_fn`` for ``nnx.MultiHeadAttention`` /
+  ``linen.MultiHeadDotProductAttention`` computing
+  ``jaxattn.dot_product_attention(..., method=method, **options)``.
+
+  Args:
+    method: one of ``jaxattn.METHODS``.
+    implementation: None, "reference" or "pallas", as in
+      ``jaxattn.dot_product_attention``.
+    **options: the method's options (e.g. ``preset="sage2-4b"``); checked
+      now, an unknown one raises ``TypeError``.
+
+  Returns:
+    ``attention_fn(query, key, value, bias=None, mask=None, ...)`` taking
+    flax's arguments (see the module docstring) and returning
+    ``[batch..., q_len, heads, v_head_dim]`` in ``dtype`` (default: the
+    promoted input dtype).  Its ``method``, ``implementation`` and
+    ``options`` attributes say what it computes.
+  """
+  m = base.get_method(method)           # unknown method: ValueError now
+  m.config_cls.from_options(**options)  # unknown option: TypeError now
+  api.resolve_implementation(implementation, m)
+
+  def attention_fn(query, key, value, bias=None, mask=None,
+                   broadcast_dropout: bool = True, dropout_rng=None,
+                   dropout_rate: float = 0.0, deterministic: bool = False,
+                   dtype=None, precision=None, module=None,
+                   is_causal: bool = False,
+                   force_fp32_for_softmax: bool = False,
+                   qk_attn_weights_einsum=None,
+                   attn_weights_value_einsum=None):
+    del broadcast_dropout, dropout_rng, precision, module
+    del force_fp32_for_softmax
+    if dropout_rate > 0.0 and not deterministic:
+      raise ValueError(
+          f"jaxattn method {method!r} has no attention dropout (flash "
+          f"attention never forms the weights): got dropout_rate="
+          f"{dropout_rate} with deterministic=False; set dropout_rate=0 or "
+          "deterministic=True")
+    if qk_attn_weights_einsum is not None or attn_weights_value_einsum is not None:
+      raise ValueError(
+          f"jaxattn method {method!r} computes Q K^T and P V itself; "
+          "qk_attn_weights_einsum / attn_weights_value_einsum must be None")
+    if dtype is None:
+      dtype = jnp.result_type(query, key, value)
+    query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+    batch_shape = query.shape[:-3]
+    n_batch = len(batch_shape)
+    if key.shape[:-3] != batch_shape or value.shape[:-3] != batch_shape:
+      raise ValueError(f"batch dims differ: query {query.shape}, key "
+                       f"{key.shape}, value {value.shape}")
+    flat = lambda x: x.reshape((math.prod(batch_shape), *x.shape[n_batch:]))
+    q, k, v = map(flat, (query, key, value))
+    if bias is not None:
+      bias = _flatten_batch(bias, n_batch, batch_shape)
+    if mask is not None:
+      mask = _flatten_batch(jnp.asarray(mask).astype(jnp.bool_), n_batch,
+                            batch_shape)
+    out = api.dot_product_attention(
+        q, k, v, bias, mask, is_causal=is_causal, method=method,
+        implementation=implementation, **options)
+    return out.reshape((*batch_shape, *out.shape[1:])).astype(dtype)
+
+  attention_fn.method = method
+  attention_fn.implementation = implementation
+  attention_fn.options = dict(options)
+  attention_fn.__name__ = f"jaxattn_{method}_attention_fn"
+  attention_fn.__qualname__ = attention_fn.__name__
+  return attention_fn
+
+
+def layer_options(spec: str | Mapping[str, Any]) -> dict[str, Any]:
+  """One layer's configuration as ``make_attention_fn`` keyword arguments.
+
+  ``spec`` is a method name (``"pasa"``), a ``"sage"`` preset name
+  (``"sage2-4b"``, what ``jaxattn.sage.choose_precision`` returns per layer)
+  or a mapping ``{"method": ..., **options}`` (``"implementation"`` allowed;
+  ``"method"`` defaults to ``"fp32"``, or to ``"sage"`` when ``"preset"`` is
+  given).
+  """
+  if isinstance(spec, str):
+    if spec in base.methods():
+      return {"method": spec}
+    if spec in sage.PRESETS:
+      return {"method": "sage", "preset": spec}
+    raise ValueError(f"unknown attention {spec!r}: not a method "
+                     f"{tuple(base.methods())} nor a sage preset "
+                     f"{tuple(sage.PRESETS)}")
+  if isinstance(spec, Mapping):
+    spec = dict(spec)
+    spec.setdefault("method", "sage" if "preset" in spec else "fp32")
+    return spec
+  raise TypeError(f"a layer's attention must be a str or a mapping, got "
+                  f"{type(spec).__name__}")
+
+
+class LayerAttentionFns(dict):
+  """``{layer name: attention_fn}``; with a ``default``, indexing a name
+  not in the configuration returns the default's ``attention_fn``."""
+
+  def __init__(self, fns: Mapping[str, AttentionFn],
+               default: AttentionFn | None = None):
+    super().__init__(fns)
+    self.default = default
+
+  def __missing__(self, name):
+    if self.default is None:
+      raise KeyError(f"no attention configured for layer {name!r} and no "
+                     f"default; configured: {sorted(self)}")
+    return self.default
+
+
+def attention_fns(config: Mapping[str, str | Mapping[str, Any]], *,
+                  default: str | Mapping[str, Any] | None = None,
+                  implementation: str | None = None) -> LayerAttentionFns:
+  """One ``attention_fn`` per layer from plain configuration.
+
+  Args:
+    config: ``{layer name: spec}``, names of your choosing (``"layer_3"``,
+      or ``(layer, timestep)`` keys); ``spec`` as in :func:`layer_options`,
+      so the output of ``jaxattn.sage.choose_precision`` is accepted as is.
+    default: the spec of layers not in ``config`` (None: such a name raises
+      ``KeyError``).
+    implementation: for every layer whose spec does not name one.
+
+  Returns:
+    a dict ``{layer name: attention_fn}`` (a :class:`LayerAttentionFns`):
+    pass ``fns[name]`` as the ``attention_fn`` of that layer.  Every spec is
+    validated now.
+  """
+  def build(spec):
+    options = layer_options(spec)
+    options.setdefault("implementation", implementation)
+    return make_attention_fn(**options)
+
+  return LayerAttentionFns(
+      {name: build(spec) for name, spec in config.items()},
+      None if default is None else build(default))
+
+
+__all__ = ["make_attention_fn", "attention_fns", "layer_options",
+           "LayerAttentionFns"]
