@@ -1,0 +1,390 @@
+"""Times jaxattn's kernels and the peers on the same inputs, in one process on
+the GPU, and writes the results as JSON (``--out``) and PNG plots (``--plot``).
+
+    python -m jaxattn bench [--shapes 2x32x8192x128,...] [--methods ...]
+        [--causal both|yes|no] [--out benchmarks/results/NAME.json]
+        [--plot DIR]
+    python -m jaxattn bench --plot DIR --from-json FILE...   (no GPU needed)
+
+(``python benchmarks/bench.py`` is the same command.)  Peers: cuDNN through
+``jax.nn.dot_product_attention(implementation="cudnn")`` in bfloat16 (the
+reference point of every ratio) and float16, jax's own Pallas attention
+(``jax.experimental.pallas.ops.gpu.attention.mha``), and, where they import,
+SageAttention's Triton kernels (torch) and tokamax.  FLOPs are
+``4 B H Sq Skv D`` (halved for causal).  Times are the median over ``--reps``
+timed groups of ``--iters`` back-to-back calls after warm-up, synchronised on
+the device.
+
+The plots: one PNG per (causal, head dim), TFLOP/s (left) and ratio to cuDNN
+bf16 (right) against the sequence length, one line per method.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+import traceback
+import warnings
+
+import jax
+import jax.numpy as jnp
+
+import jaxattn
+from jaxattn.report import Progress, new_figure, require_matplotlib
+
+DEFAULT_SHAPES = "4x32x2048x128,2x32x8192x128,1x32x16384x128,4x32x4096x64"
+REFERENCE = "cudnn_bf16"  # every ratio is to this method, always timed
+NO_GPU_EXIT_CODE = 1
+
+# jaxattn's methods, end to end from float16 inputs: (benchmark name, method,
+# options of jaxattn.dot_product_attention).  Append a row to time another
+# method or configuration; rows whose method has no Pallas kernel are skipped.
+JAXATTN_VARIANTS = [
+    ("jaxattn_fp32", "fp32", {}),
+    ("jaxattn_fp16_fp32", "fp16_fp32", {}),
+    ("jaxattn_fp16", "fp16", {}),
+    ("jaxattn_pasa", "pasa", {}),
+    ("jaxattn_sage2-8b", "sage", {"preset": "sage2-8b"}),
+    ("jaxattn_sage2-4b", "sage", {"preset": "sage2-4b"}),
+    ("jaxattn_sage1", "sage", {"preset": "sage1"}),
+    ("jaxattn_int8_full", "int8", {}),
+    ("jaxattn_int8_full_vblock", "int8", {"v_granularity": "block"}),
+    ("jaxattn_int8_half", "int8", {"pv_dtype": "fp16"}),
+    ("jaxattn_fmha_int8", "fmha_int8", {}),
+    ("jaxattn_fp8", "fp8", {}),
+]
+
+
+def parse_shapes(text):
+  return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
+
+
+def has_gpu():
+  try:
+    return any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices())
+  except RuntimeError:
+    return False
+
+
+def jax_methods(causal, d):
+  """name -> (dtype of inputs, function(q, k, v))."""
+  scale = 1.0 / math.sqrt(d)
+  out = {
+      "cudnn_bf16": (jnp.bfloat16, lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn")),
+      "cudnn_fp16": (jnp.float16, lambda q, k, v: jax.nn.dot_product_attention(
+          q, k, v, is_causal=causal, implementation="cudnn")),
+  }
+  try:
+    from jax.experimental.pallas.ops.gpu import attention as jax_pallas
+    out["jax_pallas_mha"] = (jnp.float16, lambda q, k, v: jax_pallas.mha(
+        q, k, v, None, sm_scale=scale, causal=causal))
+  except Exception:  # noqa: BLE001
+    pass
+  try:
+    import tokamax
+    for impl in ("mosaic", "triton"):
+      out[f"tokamax_{impl}_bf16"] = (
+          jnp.bfloat16, lambda q, k, v, impl=impl: tokamax.dot_product_attention(
+              q, k, v, is_causal=causal, implementation=impl))
+  except Exception:  # noqa: BLE001
+    pass
+  for name, m, opts in JAXATTN_VARIANTS:
+    if m not in jaxattn.METHODS or jaxattn.base.get_method(m).pallas is None:
+      continue
+    out[name] = (jnp.float16, lambda q, k, v, m=m, opts=opts:
+                 jaxattn.dot_product_attention(
+                     q, k, v, is_causal=causal, method=m,
+                     implementation="pallas", **opts))
+  return out
+
+
+def kernel_alone(causal, d):
+  """name -> (prepare(q, k, v) -> args, kernel(*args)): the kernels timed
+  on pre-quantized inputs (the quantizer's time excluded)."""
+  out = {}
+  try:
+    from pallas_kernels import quantized as qk
+    from jaxattn import int_flash
+  except ImportError:
+    return out
+  scale = 1.0 / math.sqrt(d)
+
+  def int8_prep(pv_dtype):
+    cfg = int_flash.Int8Config(pv_dtype=pv_dtype)
+    def prep(q, k, v):
+      qz = int_flash.int8_quantize(q, k, v, None, config=cfg)
+      vv = qz["v"].transpose(0, 2, 3, 1) if pv_dtype == "int8" else qz["v"]
+      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+      return (qz["q"], qz["q_scale"] * scale * 1.4426950408889634, qz["k"],
+              qz["k_scale"], vv, lens)
+    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
+    def kern(q8, qs, k8, ks, vv, lens):
+      return qk.quantized_attention(
+          q8, qs, k8, ks, vv, lens, None, None,
+          pv="int8" if pv_dtype == "int8" else "fp16", is_causal=causal,
+          params=params)
+    return prep, kern
+
+  out["kernel_int8_full"] = int8_prep("int8")
+  out["kernel_int8_half"] = int8_prep("fp16")
+
+  def sage_prep(preset):
+    from jaxattn import sage
+    cfg = sage.SageConfig.from_options(preset=preset)
+    fp8 = cfg.pv_dtype == "fp8"
+    def prep(q, k, v):
+      z = sage.sage_quantize(q, k, v, None, scale=scale, config=cfg)
+      qbias = None
+      if cfg.smooth_q:
+        qbias = (z["smooth_bias"] * sage.log2_scale(scale)).transpose(0, 2, 1, 3)
+      vv = z["v"].transpose(0, 2, 3, 1) if fp8 else z["v"]
+      osc = z["v_scale"] / 448.0 if fp8 else jnp.ones_like(z["v_mean"])
+      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+      return (z["q"], z["q_scale_folded"], z["k"], z["k_scale"], vv, lens,
+              qbias, osc, z["v_mean"])
+    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
+    def kern(q8, qs, k8, ks, vv, lens, qbias, osc, vmean):
+      return qk.quantized_attention(
+          q8, qs, k8, ks, vv, lens, None, None, pv=cfg.pv_dtype,
+          is_causal=causal, params=params, q_block_bias=qbias,
+          bias_rows=cfg.block_q, out_scale=osc, out_shift=vmean,
+          out_dtype=jnp.float16)
+    return prep, kern
+
+  for preset in ("sage2-8b", "sage1"):
+    out[f"kernel_{preset}"] = sage_prep(preset)
+  return out
+
+
+def torch_methods(causal):
+  out = {}
+  try:
+    import torch
+    from sageattention import sageattn
+    out["sageattention_triton"] = lambda q, k, v: sageattn(
+        q, k, v, tensor_layout="NHD", is_causal=causal)
+    del torch
+  except Exception:  # noqa: BLE001
+    pass
+  return out
+
+
+def method_jobs(causal, d, names):
+  """``[(name, kind, job)]`` of the methods to time, in the JSON's order:
+  kind "jax" (job: dtype, fn), "kernel" (prepare, kernel) or "torch" (fn).
+  ``names`` empty means all; the reference is always included."""
+  def wanted(name):
+    return not names or name in names or name == REFERENCE
+  return ([(n, "jax", j) for n, j in jax_methods(causal, d).items()
+           if wanted(n)]
+          + [(n, "kernel", j) for n, j in kernel_alone(causal, d).items()
+             if wanted(n)]
+          + [(n, "torch", j) for n, j in torch_methods(causal).items()
+             if wanted(n)])
+
+
+def bench_shape(shape, causal, names, iters, reps, log, progress=None):
+  """``{name: {ms, tflops, [temp_bytes], ratio_vs_cudnn_bf16} or {error}}``
+  of every selected method on one shape."""
+  from pallas_kernels.tuning import time_call
+  b, h, s, d = shape
+  flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+  key = jax.random.key(0)
+  kq, kk, kv = jax.random.split(key, 3)
+  base = {dt: [jax.random.normal(x, (b, s, h, d), jnp.float32).astype(dt)
+               for x in (kq, kk, kv)]
+          for dt in (jnp.float16, jnp.bfloat16)}
+  torch_inputs = None
+  rows = {}
+  for name, kind, job in method_jobs(causal, d, names):
+    try:
+      if kind == "jax":
+        dt, fn = job
+        f = jax.jit(fn)
+        t = time_call(f, base[dt], iters, reps)
+        mem = f.lower(*base[dt]).compile().memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", None)
+        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
+      elif kind == "kernel":
+        prep, kern = job
+        args = jax.block_until_ready(jax.jit(prep)(*base[jnp.float16]))
+        t = time_call(jax.jit(kern), args, iters, reps)
+        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
+      else:
+        import torch
+        import triton.testing
+        if torch_inputs is None:
+          torch_inputs = [torch.randn(b, s, h, d, device="cuda",
+                                      dtype=torch.float16) for _ in range(3)]
+        ms = triton.testing.do_bench(lambda: job(*torch_inputs), warmup=50,
+                                     rep=300, return_mode="median")
+        rows[name] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+    except Exception as e:  # noqa: BLE001
+      rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
+      log.write(traceback.format_exc())
+    if progress is not None:
+      progress.step(f"{'x'.join(map(str, shape))} "
+                    f"{'causal' if causal else 'non-causal'} {name}")
+  ref = rows.get(REFERENCE, {}).get("ms")
+  for r in rows.values():
+    if ref and "ms" in r:
+      r["ratio_vs_cudnn_bf16"] = ref / r["ms"]
+  return rows
+
+
+def format_rows(shape, causal, rows):
+  """The text printed for one shape: a header and one line per method."""
+  lines = [f"# B,H,S,D={shape} causal={causal}"]
+  for n, r in rows.items():
+    if "ms" in r:
+      lines.append(f"  {n:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
+                   f"x{r.get('ratio_vs_cudnn_bf16', float('nan')):.3f}")
+    else:
+      lines.append(f"  {n:28s} ERROR {r['error'][:200]}")
+  return "\n".join(lines)
+
+
+def speed_series(docs):
+  """``{(causal, head_dim): {method: {seq_len: row}}}`` of the rows with a
+  time in ``docs`` (bench JSON documents); a later document's row replaces
+  an earlier one's at the same point.  cuDNN bf16 comes first."""
+  series = {}
+  for doc in docs:
+    for res in doc["results"]:
+      b, h, s, d = res["shape"]
+      methods = series.setdefault((bool(res["causal"]), d), {})
+      for name, row in res["rows"].items():
+        if "tflops" in row:
+          methods.setdefault(name, {})[s] = dict(row, shape=(b, h, s, d))
+  return {key: dict(sorted(methods.items(), key=lambda kv: kv[0] != REFERENCE))
+          for key, methods in series.items()}
+
+
+def plot(docs, out_dir):
+  """Writes ``bench_d{D}_{causal,noncausal}.png`` into ``out_dir`` from bench
+  JSON documents: TFLOP/s and ratio to cuDNN bf16 against the sequence
+  length, one line per method; returns the paths."""
+  import matplotlib
+  os.makedirs(out_dir, exist_ok=True)
+  devices = sorted({doc.get("meta", {}).get("device", "?") for doc in docs})
+  colours = matplotlib.colormaps["tab20"].colors
+  markers = "osD^v<>phX*"
+  paths = []
+  for (causal, d), methods in sorted(speed_series(docs).items()):
+    fig, (ax_speed, ax_ratio) = new_figure(2, width=5.5, height=4.8)
+    seq_lens = sorted({s for pts in methods.values() for s in pts})
+    for i, (name, pts) in enumerate(methods.items()):
+      xs = sorted(pts)
+      ratio_xs = [s for s in xs if "ratio_vs_cudnn_bf16" in pts[s]]
+      if name == REFERENCE:
+        style = dict(color="black", linestyle="--", linewidth=2.5, marker="o")
+      else:
+        style = dict(color=colours[i % len(colours)], linewidth=1.3,
+                     marker=markers[i % len(markers)], markersize=5)
+      ax_speed.plot(xs, [pts[s]["tflops"] for s in xs], label=name, **style)
+      ax_ratio.plot(ratio_xs, [pts[s]["ratio_vs_cudnn_bf16"] for s in ratio_xs],
+                    **style)
+    batch_heads = {}
+    for pts in methods.values():
+      for s, row in pts.items():
+        batch_heads[s] = row["shape"][:2]
+    ticks = [f"{s}\nB{batch_heads[s][0]} H{batch_heads[s][1]}"
+             for s in seq_lens]
+    for ax, ylabel in ((ax_speed, "TFLOP/s"),
+                       (ax_ratio, "speed / cuDNN bf16 (same run)")):
+      ax.set_xscale("log", base=2)
+      ax.set_xticks(seq_lens, ticks, fontsize=8)
+      ax.minorticks_off()
+      ax.set_xlabel("sequence length S")
+      ax.set_ylabel(ylabel)
+      ax.grid(True, alpha=0.3)
+    ax_speed.set_ylim(bottom=0)
+    ax_ratio.set_ylim(bottom=0)
+    kind = "causal" if causal else "non-causal"
+    fig.suptitle(f"{kind}, head dim {d}: {', '.join(devices)}")
+    fig.legend(loc="outside right upper", fontsize=8)
+    path = os.path.join(
+        out_dir, f"bench_d{d}_{'causal' if causal else 'noncausal'}.png")
+    fig.savefig(path, dpi=100)
+    paths.append(path)
+  return paths
+
+
+NO_GPU_MESSAGE = (
+    "python -m jaxattn bench: no GPU (jax sees only {devices}).\n"
+    "The benchmark times the Pallas GPU kernels against cuDNN: run it on a "
+    "CUDA machine with jaxattn[gpu] installed.\n"
+    "Without a GPU, plot recorded results: python -m jaxattn bench --plot DIR "
+    "--from-json benchmarks/results/FILE.json ...")
+
+
+def main(argv=None, prog="python -m jaxattn bench"):
+  """Runs the benchmark and returns its JSON document; with ``--from-json``
+  only plots the recorded documents and returns None.  Without a GPU (and
+  without ``--from-json``) prints why and exits with NO_GPU_EXIT_CODE."""
+  p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default=DEFAULT_SHAPES)
+  p.add_argument("--methods", default="", help="comma list; default all")
+  p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
+  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--reps", type=int, default=7)
+  p.add_argument("--out", default="")
+  p.add_argument("--log", default=os.devnull)
+  p.add_argument("--plot", default="", metavar="DIR",
+                 help="write PNG plots here (needs matplotlib)")
+  p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
+                 help="plot these recorded results instead of running "
+                 "(with --plot; no GPU needed)")
+  a = p.parse_args(argv)
+  if a.plot:
+    require_matplotlib()
+  if a.from_json:
+    if not a.plot:
+      p.error("--from-json needs --plot DIR")
+    docs = []
+    for path in a.from_json:
+      try:
+        with open(path) as f:
+          docs.append(json.load(f))
+      except (OSError, ValueError) as e:
+        p.error(f"cannot read {path}: {e}")
+    for path in plot(docs, a.plot):
+      print(f"wrote {path}")
+    return None
+  if not has_gpu():
+    devices = ", ".join(sorted({d.platform for d in jax.devices()}))
+    print(NO_GPU_MESSAGE.format(devices=devices), file=sys.stderr)
+    raise SystemExit(NO_GPU_EXIT_CODE)
+  warnings.filterwarnings("ignore", category=DeprecationWarning)
+  names = [n for n in a.methods.split(",") if n]
+  causals = {"both": [False, True], "yes": [True], "no": [False]}[a.causal]
+  shapes = parse_shapes(a.shapes)
+  dev = jax.devices()[0]
+  meta = dict(device=getattr(dev, "device_kind", str(dev)),
+              jax=jax.__version__, date=datetime.datetime.now().isoformat(),
+              host=platform.node())
+  progress = Progress(sum(len(method_jobs(c, s[3], names))
+                          for s in shapes for c in causals))
+  results = []
+  with open(a.log, "a") as log:
+    for shape in shapes:
+      for causal in causals:
+        rows = bench_shape(shape, causal, names, a.iters, a.reps, log,
+                           progress)
+        results.append(dict(shape=shape, causal=causal, rows=rows))
+        progress.write(format_rows(shape, causal, rows))
+  progress.close()
+  doc = dict(meta=meta, results=results)
+  if a.out:
+    os.makedirs(os.path.dirname(a.out) or ".", exist_ok=True)
+    with open(a.out, "w") as f:
+      json.dump(doc, f, indent=1)
+  if a.plot:
+    for path in plot([doc], a.plot):
+      print(f"wrote {path}")
+  return doc
