@@ -43,3 +43,4 @@ __all__ = ["dot_product_attention", "METHODS", "fp32_attention",
 # Pallas kernels attach themselves to the registered methods.
 import pallas_kernels.flash  # noqa: E402,F401
 import pallas_kernels.quantized  # noqa: E402,F401
+import pallas_kernels.mosaic  # noqa: E402,F401

@@ -11,7 +11,7 @@ import numpy as np
 
 from jaxattn import base
 
-IMPLEMENTATIONS = (None, "reference", "pallas")
+IMPLEMENTATIONS = (None, "reference", "pallas", "mosaic")
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -92,16 +92,42 @@ def _has_gpu() -> bool:
     return False
 
 
-def resolve_implementation(implementation, method: base.Method) -> str:
+def _is_hopper() -> bool:
+  """A compute capability 9.x GPU (H100, H200): the Mosaic kernels' target."""
+  try:
+    dev = jax.devices()[0]
+  except RuntimeError:
+    return False
+  return dev.platform == "gpu" and str(
+      getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def resolve_implementation(implementation, method: base.Method,
+                           mosaic_unsupported=lambda: None) -> str:
+  """None picks the Mosaic kernel on Hopper when the method has one and the
+  call fits it (``mosaic_unsupported()`` returns None), else the Triton
+  kernel on any GPU, else the reference."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
   if implementation is None:
+    if (method.mosaic is not None and _is_hopper()
+        and mosaic_unsupported() is None):
+      return "mosaic"
     return "pallas" if method.pallas is not None and _has_gpu() else "reference"
   if implementation == "pallas" and method.pallas is None:
     raise NotImplementedError(
         f"method {method.name!r} has no Pallas kernel yet; use "
         "implementation='reference'")
+  if implementation == "mosaic":
+    if method.mosaic is None:
+      raise NotImplementedError(
+          f"method {method.name!r} has no Mosaic GPU kernel; use "
+          "implementation='pallas' or 'reference'")
+    reason = mosaic_unsupported()
+    if reason is not None:
+      raise NotImplementedError(
+          f"the Mosaic GPU kernel of {method.name!r} does not take {reason}")
   return implementation
 
 
@@ -110,7 +136,8 @@ def resolve_implementation(implementation, method: base.Method) -> str:
 def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
                is_causal, config):
   m = base.get_method(method)
-  fn = m.reference if implementation == "reference" else m.pallas
+  fn = {"reference": m.reference, "pallas": m.pallas,
+        "mosaic": m.mosaic}[implementation]
   out = fn(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
            config=config)
   if m.quantized:
@@ -159,9 +186,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     key_value_seq_lengths: int ``[B]``, keys at or beyond it are masked.
     method: one of ``jaxattn.METHODS`` ("fp32", "fp16_fp32", "fp16", "pasa",
       "sage", "int8", "fmha_int8", "fp8").
-    implementation: None (Pallas kernel on a GPU when the method has one,
-      the reference otherwise), "reference" or "pallas" (interpret mode
-      without a GPU).
+    implementation: None (on an H100/H200 the Mosaic GPU kernel when the
+      method has one and the call fits it, else the Pallas Triton kernel on a
+      GPU when the method has one, else the reference), "reference",
+      "pallas" (the Triton kernel; interpret mode without a GPU) or "mosaic"
+      (the warp-specialised Hopper kernel; Mosaic GPU's interpreter without
+      a GPU).
     **options: the method's options (its configuration dataclass fields);
       unknown ones raise ``TypeError``.
 
@@ -184,7 +214,10 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       mask = mask[None] if mask.ndim == 3 else mask
   bias, mask, kv_lens = _check_inputs(query, key, value, bias, mask,
                                       key_value_seq_lengths)
-  impl = resolve_implementation(implementation, m)
+  def mosaic_unsupported():
+    from pallas_kernels import mosaic
+    return mosaic.unsupported_reason(method, query, key, bias, mask, config)
+  impl = resolve_implementation(implementation, m, mosaic_unsupported)
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
   out = _attention(query, key, value, bias, mask, kv_lens, method=method,
                    implementation=impl, scale=scale,

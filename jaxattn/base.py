@@ -73,6 +73,7 @@ class Method:
   config_cls: type
   reference: Callable[..., Any]
   pallas: Callable[..., Any] | None = None
+  mosaic: Callable[..., Any] | None = None  # the Hopper (Mosaic GPU) kernel
   doc: str = ""
   quantized: bool = False  # integer/fp8 quantizers swallow NaN and Inf
 
@@ -88,6 +89,11 @@ def register(method: Method) -> Method:
 def attach_pallas(name: str, fn: Callable[..., Any]) -> None:
   """Sets the Pallas implementation of the registered method ``name``."""
   _METHODS[name] = dataclasses.replace(get_method(name), pallas=fn)
+
+
+def attach_mosaic(name: str, fn: Callable[..., Any]) -> None:
+  """Sets the Hopper (Pallas Mosaic GPU) kernel of the registered method."""
+  _METHODS[name] = dataclasses.replace(get_method(name), mosaic=fn)
 
 
 def get_method(name: str) -> Method:

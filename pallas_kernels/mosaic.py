@@ -1,0 +1,512 @@
+"""Warp-specialised attention forward for Hopper (Pallas Mosaic GPU).
+
+One kernel with static flags, in the FlashAttention-3 shape of jax's own
+``jax/experimental/pallas/ops/gpu/attention_mgpu.py``: per CTA one (batch,
+query head, tile of ``2 * block_q`` rows); three warpgroups, a producer that
+streams K and V blocks with the bulk tensor copy engine (TMA) into a ring of
+``stages`` shared-memory slots, and two consumers on alternating query blocks
+whose softmax overlaps the other's matmuls (a shared "schedule" barrier
+orders their tensor-core use: ping-pong).
+
+Operand types (static ``qk`` / ``pv``):
+
+* ``qk="f16"`` (float16 or bfloat16 Q, K): ``S = Q K^T`` on the 16-bit
+  tensor cores, the softmax scale folded into the exponent,
+  ``exp2(S * scale * log2 e - m)``;
+* ``qk="int8"``: int8 Q, K (wgmma s8 x s8 -> s32), then
+  ``S = float32(S_i32) * q_scale[:, None] * k_scale[None, :]`` with
+  ``scale * log2 e`` folded into ``q_scale`` (SageAttention, INT-FlashAttention);
+* ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
+  (FlashAttention-3's fp8 path);
+* ``pv="f16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
+* ``pv="fp8"``: ``P * 448`` in float8_e4m3fn, V ``[D, S]`` (key dimension
+  contiguous, the K-major operand 8-bit wgmma needs), per-block product
+  added into a float32 accumulator (two-level accumulation);
+* ``pv="int8"``: ``P = floor(127 p + 1/2)`` in int8, V int8 ``[D, S]``, s32
+  accumulation per block (INT-FlashAttention); the row sum is that of the
+  quantized P.
+
+8-bit P goes from registers to a shared-memory tile and is read by the
+wgmma from there (the register path needs the 8-bit wgmma operand layout,
+which Mosaic GPU does not convert to from the accumulator layout).  The
+epilogue computes ``O / l`` and, where given, ``* out_scale + out_shift`` per
+channel (V's scale and mean).
+
+Keys at or beyond ``kv_lens[b]`` are masked (only the last block pays for
+it) and never loaded past; causal masking is top-left aligned and skips the
+blocks above the diagonal.  Query heads of a group read their key/value
+head (GQA without repeats).  Lengths are padded outside the kernel to whole
+blocks.  Without a GPU the kernel runs in Mosaic GPU's interpreter
+(``InterpretGPUParams``), where the 16-bit PV product also goes through
+shared memory and a separate accumulator (the interpreter implements wgmma
+with shared-memory operands only).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from jaxattn import base, quant
+from jaxattn import fp8 as fp8_ref
+from jaxattn import int_flash as int8_ref
+from jaxattn import sage as sage_ref
+from pallas_kernels import common
+
+LOG2E = math.log2(math.e)
+FP8_MAX = 448.0
+
+
+@dataclasses.dataclass(frozen=True)
+class MosaicParams:
+  """Rows per consumer warpgroup, keys per block, shared-memory ring depth."""
+  block_q: int = 64
+  block_kv: int = 128
+  stages: int = 2
+
+
+def default_params(qk: str, pv: str, head_dim: int) -> MosaicParams:
+  del qk, pv
+  if head_dim > 128:
+    return MosaicParams(block_q=64, block_kv=64, stages=2)
+  return MosaicParams(block_q=64, block_kv=128, stages=2)
+
+
+def interpret():
+  """Mosaic GPU's interpreter when jax has no GPU (how CI runs the kernel)."""
+  return plgpu.InterpretGPUParams() if common.interpret() else None
+
+
+def _smem(shape, dtype):
+  """A swizzled shared-memory tile ``shape`` whose minor dim is the wgmma
+  contraction dim (or the N dim of a 16-bit B)."""
+  itemsize = jnp.dtype(dtype).itemsize
+  swizzle = min(128, shape[-1] * itemsize)
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, swizzle // itemsize)),
+      plgpu.SwizzleTransform(swizzle)))
+
+
+def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
+            block_q, block_kv, stages, group, c_scale, has_qk_scales,
+            has_qbias, bias_rows, has_vbs, has_epilogue, fused_pv, out_dtype):
+  """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
+  PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
+  q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
+  optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
+  each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
+  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``."""
+  refs = list(refs)
+  qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
+  qbias_ref = refs.pop(0) if has_qbias else None
+  vbs_ref = refs.pop(0) if has_vbs else None
+  osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
+  (out_ref,) = refs
+  bq, bk = block_q, block_kv
+  head_dim = q_ref.shape[-1]
+  eight_bit_pv = pv in ("fp8", "int8")
+  f32 = jnp.float32
+
+  def body(scratch, barriers):
+    q_smem2, o_smem2, k_smem, v_smem, p_smem2 = scratch
+    (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule) = barriers
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    kv_head = lax.div(q_head, jnp.int32(group))
+    wg = lax.axis_index("wg")
+    kv_len = kv_len_ref[batch]
+    tile_base = lax.axis_index("q_seq") * (2 * bq)
+    hi = kv_len
+    if is_causal:
+      hi = jnp.minimum(hi, tile_base + 2 * bq)
+    tile_steps = lax.div(hi + (bk - 1), jnp.int32(bk))
+
+    def schedule_barrier():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
+
+    @pl.when(wg < 2)
+    def _consumer():
+      plgpu.set_max_registers(232, action="increase")
+      q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+      p_smem = p_smem2.at[wg] if p_smem2 is not None else None
+      q_base = tile_base + wg * bq
+      wg_hi = jnp.minimum(kv_len, q_base + bq) if is_causal else kv_len
+      steps = lax.div(wg_hi + (bk - 1), jnp.int32(bk))
+      n_full = lax.div(kv_len, jnp.int32(bk))
+      if is_causal:
+        n_full = jnp.minimum(n_full, lax.div(q_base + 1, jnp.int32(bk)))
+      n_full = jnp.minimum(n_full, steps)
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
+                              q_smem, q_bars.at[wg])
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      col_layout = plgpu.Layout.WGMMA.reduce(0)
+      if has_qk_scales:
+        q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
+                             layout=row_layout, optimized=False)
+      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), row_layout)
+      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, f32), row_layout)
+      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, f32),
+                              plgpu.Layout.WGMMA)
+      plgpu.barrier_wait(q_bars.at[wg])
+
+      @pl.when(steps > 0)
+      def _():
+        plgpu.barrier_wait(k_bars.at[0])
+
+      pl.when(wg == 1)(schedule_barrier)
+
+      def kv_step(j, carry, masked):
+        acc, m_i, l_i = carry
+        slot = lax.rem(j, jnp.int32(stages))
+        acc_type = jnp.int32 if qk == "int8" else f32
+
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          schedule_barrier()
+          return acc_ref[...]
+        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
+          k_scale = plgpu.load(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
+                               layout=col_layout, optimized=False)
+          s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
+               * lax.broadcast_in_dim(k_scale, s.shape, [1]))
+          c = 1.0
+        else:
+          c = c_scale
+        if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
+          qb = plgpu.load(
+              qbias_ref.at[batch, q_head, lax.div(q_base, jnp.int32(bias_rows)),
+                           pl.ds(j * bk, bk)],
+              layout=col_layout, optimized=False)
+          s = s + lax.broadcast_in_dim(qb, s.shape, [1])
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                        layout=plgpu.Layout.WGMMA)
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                        layout=plgpu.Layout.WGMMA) + j * bk
+          visible = cols < kv_len
+          if is_causal:
+            visible = visible & (cols <= rows + q_base)
+          s = jnp.where(visible, s, -jnp.inf)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha
+        if pv == "int8":  # floor(127 p + 1/2): the conversion truncates
+          p_int = (p * 127.0 + 0.5).astype(jnp.int32)
+          p = p_int.astype(f32)
+        l_i = l_i + p.sum(axis=1)
+        if pv == "fp8":
+          p_op = (p * FP8_MAX).astype(jnp.float8_e4m3fn)
+        elif pv == "int8":
+          p_op = p_int.astype(jnp.int8)
+        else:
+          p_op = p.astype(v_ref.dtype)
+        if p_smem is not None:
+          p_smem[...] = p_op
+          plgpu.commit_smem()
+          p_op = p_smem
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(schedule)
+        v_op = v_smem.at[slot]
+        if eight_bit_pv:
+          v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
+
+        def wait_next_k():
+          @pl.when(j + 1 < steps)
+          def _():
+            plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, jnp.int32(stages))])
+
+        if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
+          def pv_state(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, v_op)
+            wait_next_k()
+          acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+        else:          # per-block product, added into the f32 accumulator
+          def pv_scope(pv_ref):
+            plgpu.wgmma(pv_ref, p_op, v_op)
+            wait_next_k()
+            return pv_ref[...]
+          pv_type = jnp.int32 if pv == "int8" else f32
+          pv_blk = pl.run_scoped(pv_scope, plgpu.ACC((bq, head_dim), pv_type)
+                                 ).astype(f32)
+          if has_vbs:  # one V scale per key block
+            pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
+          acc = acc + pv_blk
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_i
+
+      carry = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False),
+                            (acc, m_i, l_i))
+      acc, m_i, l_i = lax.fori_loop(n_full, steps,
+                                    functools.partial(kv_step, masked=True),
+                                    carry)
+
+      def drain(j, _):  # blocks the other warpgroup needs and this one not
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        schedule_barrier()
+        schedule_barrier()
+      lax.fori_loop(steps, tile_steps, drain, None)
+      pl.when(wg == 0)(schedule_barrier)
+
+      empty = l_i == 0.0
+      inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
+      out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      if has_epilogue:
+        osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        osh = plgpu.load(osh_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
+               + lax.broadcast_in_dim(osh, out.shape, [1]))
+      out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
+      o_smem[...] = out.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem,
+                              out_ref.at[batch, pl.ds(q_base, bq), q_head])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 2)
+    def _producer():
+      plgpu.set_max_registers(40, action="decrease")
+
+      def load(j, slot):
+        plgpu.copy_gmem_to_smem(
+            k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
+            k_bars.at[slot])
+        v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
+                 else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
+        plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
+
+      for st in range(stages):
+        pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
+
+      @pl.loop(stages, jnp.maximum(tile_steps, stages))
+      def _(j):
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(j, slot)
+
+      @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+      def _(j):  # the last uses of each slot (every phase is observed)
+        slot = lax.rem(j, jnp.int32(stages))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+
+  q_dtype, k_dtype, v_dtype = q_ref.dtype, k_ref.dtype, v_ref.dtype
+  v_tile = (head_dim, bk) if eight_bit_pv else (bk, head_dim)
+  p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}.get(pv, v_dtype)
+  need_p_smem = eight_bit_pv or not fused_pv
+  scratch = [
+      _smem((2, bq, head_dim), q_dtype),
+      _smem((2, bq, head_dim), out_dtype),
+      _smem((stages, bk, head_dim), k_dtype),
+      _smem((stages, *v_tile), v_dtype),
+      _smem((2, bq, bk), p_dtype) if need_p_smem else None,
+  ]
+  barriers = (
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=2),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=2),
+  )
+  pl.run_scoped(lambda sc, *bars: body(sc, bars), scratch, *barriers,
+                collective_axes="wg")
+
+
+def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
+                     scale=None, q_scale=None, k_scale=None, q_block_bias=None,
+                     bias_rows=None, v_block_scale=None, out_scale=None,
+                     out_shift=None, out_dtype=jnp.float16):
+  """Runs the kernel on BTNH inputs.
+
+  Args:
+    q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (float16/bfloat16 for
+      ``qk="f16"``, int8 or float8_e4m3fn otherwise); v: ``[B, S, K, D]``
+      float16/bfloat16 (``pv="f16"``) or ``[B, K, D, S]`` float8_e4m3fn /
+      int8 (``pv="fp8"`` / ``"int8"``); kv_lens int32 ``[B]``.
+    scale: the softmax scale (``qk="f16"``); q_scale ``[B, T, N]`` (times
+      ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK.
+    q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
+      score bias shared by each block of ``bias_rows`` query rows (a multiple
+      of ``block_q``), or None.
+    v_block_scale: float32 ``[B, K, S / block_kv]`` or None.
+    out_scale, out_shift: float32 ``[B, K, D]`` or None.
+  Returns: ``[B, T, N, D]`` in ``out_dtype``.
+  """
+  b, t, n, d = q.shape
+  s_len, nk = k.shape[1], k.shape[2]
+  if d % 64 or d > 256:
+    raise ValueError(f"the Mosaic kernel needs a head dim multiple of 64 and "
+                     f"at most 256, got {d}")
+  params = params or default_params(qk, pv, d)
+  bq, bk = params.block_q, params.block_kv
+  t_pad = common.round_up(t, 2 * bq)
+  s_pad = common.round_up(s_len, bk)
+  pad = common.pad_axis
+  q, k = pad(q, 1, t_pad), pad(k, 1, s_pad)
+  v = pad(v, 3, s_pad) if pv in ("fp8", "int8") else pad(v, 1, s_pad)
+  args = [q, k, v, kv_lens.astype(jnp.int32)]
+  has_qk_scales = qk != "f16"
+  if has_qk_scales:
+    args += [pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1),
+             pad(k_scale.astype(jnp.float32), 1, s_pad).transpose(0, 2, 1)]
+  if q_block_bias is not None:
+    if bias_rows % bq:
+      raise ValueError(f"bias_rows={bias_rows} must be a multiple of "
+                       f"block_q={bq}")
+    args.append(pad(pad(q_block_bias.astype(jnp.float32), 3, s_pad), 2,
+                    -(-t_pad // bias_rows)))
+  if v_block_scale is not None:
+    args.append(pad(v_block_scale.astype(jnp.float32), 2, s_pad // bk))
+  has_epilogue = out_scale is not None
+  if has_epilogue:
+    args += [out_scale.astype(jnp.float32), out_shift.astype(jnp.float32)]
+  interp = interpret()
+  kernel = functools.partial(
+      _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_kv=bk,
+      stages=params.stages, group=n // nk,
+      c_scale=float(scale or 1.0) * LOG2E, has_qk_scales=has_qk_scales,
+      has_qbias=q_block_bias is not None, bias_rows=bias_rows,
+      has_vbs=v_block_scale is not None,
+      has_epilogue=has_epilogue, fused_pv=(pv == "f16" and interp is None),
+      out_dtype=out_dtype)
+  out = plgpu.kernel(
+      kernel,
+      out_type=jax.ShapeDtypeStruct((b, t_pad, n, d), out_dtype),
+      grid=(n, t_pad // (2 * bq), b),
+      grid_names=("heads", "q_seq", "batch"),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interp,
+  )(*args)
+  return out[:, :t]
+
+
+# ----------------------------------------------------------------------------
+# The methods on the kernel: the same quantizers as the Triton kernels
+# (pallas_kernels/quantized.py), then one call.
+
+
+def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
+  """Why the Mosaic kernel cannot run this call (None when it can)."""
+  d = q.shape[-1]
+  if bias is not None or mask is not None:
+    return "a bias or mask (use implementation='pallas')"
+  if d not in (64, 128):
+    return f"head dim {d} (the Mosaic kernel takes 64 and 128)"
+  if method == "fp32" and jnp.dtype(q.dtype) not in (jnp.float16,
+                                                     jnp.bfloat16):
+    return f"{q.dtype} inputs (the Mosaic 'fp32' kernel takes float16/bfloat16)"
+  if method == "sage" and config.smooth_q and config.block_q % 64:
+    return f"sage block_q={config.block_q} (a multiple of 64 is needed)"
+  if method == "fp8" and config.granularity == "block" and config.block_q % 64:
+    return f"fp8 block granularity with block_q={config.block_q}"
+  block_k = getattr(config, "block_k", None) or 128
+  if method != "fp32" and block_k not in (64, 128):
+    return f"block_k={block_k} (the Mosaic kernel takes 64 and 128)"
+  return None
+
+
+def _params(config) -> MosaicParams:
+  """The method's ``block_k`` is part of its numerics (the online softmax
+  rounds P against the running max of each block; scale groups)."""
+  return MosaicParams(block_kv=config.block_k)
+
+
+def _kv_heads_last(x):  # [B, S, K, D] -> [B, K, D, S]
+  return x.transpose(0, 2, 3, 1)
+
+
+def fp32_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="fp32"``: 16-bit Q, K, V, float32 softmax and accumulation."""
+  del bias, mask, config
+  return mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="f16", pv="f16",
+                          is_causal=is_causal, scale=scale, out_dtype=q.dtype)
+
+
+def sage_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="sage"``: :func:`jaxattn.sage.sage_quantize`, then int8 QK
+  with the smoothing bias, fp8 (x448, V per channel) or fp16 PV."""
+  del bias, mask
+  z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
+  fp8 = config.pv_dtype == "fp8"
+  qbias = None
+  if config.smooth_q:
+    qbias = (z["smooth_bias"] * sage_ref.log2_scale(scale)).transpose(0, 2, 1, 3)
+  out_scale = (z["v_scale"] / quant.FP8_MAX if fp8
+               else jnp.ones_like(z["v_mean"]))
+  return mosaic_attention(
+      z["q"], z["k"], _kv_heads_last(z["v"]) if fp8 else z["v"], kv_lens,
+      qk="int8", pv="fp8" if fp8 else "f16", is_causal=is_causal,
+      params=_params(config), q_scale=z["q_scale_folded"], k_scale=z["k_scale"], q_block_bias=qbias,
+      bias_rows=config.block_q, out_scale=out_scale, out_shift=z["v_mean"],
+      out_dtype=jnp.float16)
+
+
+def int8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="int8"``: INT-FlashAttention (full INT8: int8 P and V; half:
+  fp16 P and V) on :func:`jaxattn.int_flash.int8_quantize`'s values."""
+  del bias, mask
+  qz = int8_ref.int8_quantize(q, k, v, kv_lens, config=config)
+  full = config.pv_dtype == "int8"
+  kw = {}
+  if full and config.v_granularity == "block":
+    kw["v_block_scale"] = qz["v_scale"].transpose(0, 2, 1)   # [B, K, nb]
+  elif full:
+    sv = qz["v_scale"]                                        # [B, K]
+    kw["out_scale"] = jnp.broadcast_to(sv[..., None], (*sv.shape, v.shape[-1]))
+    kw["out_shift"] = jnp.zeros_like(kw["out_scale"])
+  return mosaic_attention(
+      qz["q"], qz["k"], _kv_heads_last(qz["v"]) if full else qz["v"], kv_lens,
+      qk="int8", pv="int8" if full else "f16", is_causal=is_causal,
+      params=_params(config), q_scale=qz["q_scale"] * (scale * LOG2E),
+      k_scale=qz["k_scale"], out_dtype=jnp.float16, **kw)
+
+
+def fp8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="fp8"``: FlashAttention-3's fp8 path on
+  :func:`jaxattn.fp8.fp8_quantize`'s values (e4m3 Q, K, V and P x 448)."""
+  del bias, mask
+  z = fp8_ref.fp8_quantize(q, k, v, kv_lens, config=config)
+  b, t, n, d = q.shape
+  s_len, nk = k.shape[1], k.shape[2]
+  kw = {}
+  if config.granularity == "block":   # scales [B, groups, heads]
+    q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
+    k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
+    kw["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
+    kw["out_scale"] = jnp.full((b, nk, d), 1.0 / quant.FP8_MAX, jnp.float32)
+  else:                               # scales [B, heads]
+    q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
+    k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
+    kw["out_scale"] = jnp.broadcast_to(
+        (z["v_scale"] / quant.FP8_MAX)[..., None], (b, nk, d))
+  kw["out_shift"] = jnp.zeros((b, nk, d), jnp.float32)
+  return mosaic_attention(
+      z["q"], z["k"], _kv_heads_last(z["v"]), kv_lens, qk="fp8", pv="fp8",
+      is_causal=is_causal, params=_params(config),
+      q_scale=q_scale * (scale * LOG2E),
+      k_scale=k_scale, out_dtype=jnp.float16, **kw)
+
+
+for _name, _fn in (("fp32", fp32_attention), ("sage", sage_attention),
+                   ("int8", int8_attention), ("fp8", fp8_attention)):
+  base.attach_mosaic(_name, _fn)

@@ -1,0 +1,105 @@
+"""The Hopper (Mosaic GPU) kernel on CPU, in Mosaic GPU's interpreter
+(``implementation="mosaic"`` without a GPU): every method it serves against
+its reference with the same quantization choices, on small shapes with odd
+lengths, key padding, causal masking and GQA.  The interpreter implements
+wgmma with shared-memory operands only, so here the 16-bit P also goes
+through shared memory and a separate accumulator (on the GPU it stays in
+registers and accumulates in the tensor cores); the rest of the kernel,
+barriers and the producer/consumer protocol included, is what runs on the
+GPU (the interpreter checks that every barrier phase is observed)."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+import jaxattn
+from jaxattn import api, base
+from pallas_kernels import mosaic
+
+VARIANTS = [  # measured max rel RMSE on these cases: 1.6e-5 (fp32, f16 out)
+    ("fp32", {}),
+    ("sage", {}),                                   # sage2-8b
+    ("sage", {"preset": "sage1"}),
+    ("int8", {}),
+    ("int8", {"v_granularity": "block", "block_k": 128}),
+    ("int8", {"pv_dtype": "fp16"}),
+    ("fp8", {}),
+    ("fp8", {"granularity": "block", "block_k": 128}),
+]
+# The outputs are float16: rounding the same float32 value gives rel ~1e-5;
+# the kernel equals the reference up to accumulation order otherwise.
+TOL = 1e-4
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize("method,opts", VARIANTS, ids=str)
+def test_mosaic_interpreted_matches_reference(method, opts):
+  seed = np.random.randint(1 << 30)
+  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+  causal = method in ("sage", "int8") and not opts
+  q = jax.random.normal(kq, (1, 150, 2, 64), jnp.float16)
+  k = jax.random.normal(kk, (1, 200, 1, 64), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (1, 200, 1, 64), jnp.float16)
+  kw = dict(method=method, is_causal=causal, key_value_seq_lengths=[170],
+            **opts)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
+                                      **kw)
+  assert out.shape == ref.shape and out.dtype == ref.dtype
+  assert bool(jnp.isfinite(out).all())
+  assert _rel(out, ref) < TOL, (seed, _rel(out, ref))
+
+
+def test_mosaic_causal_fp32_bfloat16_whole_blocks():
+  """bfloat16, causal, lengths that are whole blocks (no padding)."""
+  kq, kk, kv = jax.random.split(jax.random.key(3), 3)
+  q = jax.random.normal(kq, (1, 256, 1, 128), jnp.bfloat16)
+  k = jax.random.normal(kk, (1, 256, 1, 128), jnp.bfloat16)
+  v = jax.random.normal(kv, (1, 256, 1, 128), jnp.bfloat16)
+  out = jaxattn.dot_product_attention(q, k, v, method="fp32", is_causal=True,
+                                      implementation="mosaic")
+  ref = jaxattn.dot_product_attention(q, k, v, method="fp32", is_causal=True,
+                                      implementation="reference")
+  assert out.dtype == jnp.bfloat16
+  assert _rel(out, ref) < 5e-3  # bfloat16 output and P: rel ~2e-3
+
+
+def test_mosaic_rows_without_keys_are_zero():
+  q = jnp.ones((2, 64, 1, 64), jnp.float16)
+  k = v = jnp.ones((2, 128, 1, 64), jnp.float16)
+  out = jaxattn.dot_product_attention(q, k, v, method="fp32",
+                                      key_value_seq_lengths=[0, 5],
+                                      implementation="mosaic")
+  assert float(jnp.abs(out[0]).max()) == 0.0
+  np.testing.assert_allclose(np.asarray(out[1], np.float32), 1.0)
+
+
+def test_mosaic_refuses_what_it_cannot_run():
+  q = k = v = jnp.ones((1, 64, 1, 96), jnp.float16)
+  with pytest.raises(NotImplementedError, match="head dim 96"):
+    jaxattn.dot_product_attention(q, k, v, implementation="mosaic")
+  q = k = v = jnp.ones((1, 64, 1, 64), jnp.float16)
+  with pytest.raises(NotImplementedError, match="bias or mask"):
+    jaxattn.dot_product_attention(q, k, v, mask=jnp.ones((64, 64), bool),
+                                  implementation="mosaic")
+  with pytest.raises(NotImplementedError, match="no Mosaic GPU kernel"):
+    jaxattn.dot_product_attention(q, k, v, method="pasa",
+                                  implementation="mosaic")
+  with pytest.raises(NotImplementedError, match="float32 inputs"):
+    jaxattn.dot_product_attention(q.astype(jnp.float32), k, v,
+                                  implementation="mosaic")
+
+
+def test_auto_selection_falls_back_off_hopper():
+  m = base.get_method("sage")
+  # No GPU here: the automatic choice is the reference, never the interpreter.
+  assert not api._is_hopper()
+  assert api.resolve_implementation(None, m, lambda: None) == "reference"
+  assert mosaic.unsupported_reason("sage", jnp.ones((1, 8, 1, 128)), None,
+                                   None, None,
+                                   jaxattn.sage.SageConfig()) is None
