@@ -6,7 +6,7 @@ OUT=${OUT:-benchmarks/results}
 export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,temperature.gpu --format=csv,noheader
 if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
-  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_mosaic.py 2>&1 \
+  timeout ${TEST_TIMEOUT:-240} python3 -m pytest -m gpu -q -s -p no:cacheprovider tests/test_gpu_mosaic.py ${TESTS_K:+-k "$TESTS_K"} 2>&1 \
     | grep -v -i "warning" | tee "$OUT/mosaic_tests.log" \
     | grep -E "rel_rmse|passed|failed|Error|error" | tail -60
 fi

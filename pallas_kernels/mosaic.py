@@ -114,8 +114,9 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   f32 = jnp.float32
 
   def body(scratch, barriers):
-    q_smem2, o_smem2, k_smem, v_smem, p_smem2 = scratch
-    (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule) = barriers
+    q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem = scratch
+    (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
+     qb_bars) = barriers
     batch = lax.axis_index("batch")
     q_head = lax.axis_index("heads")
     kv_head = lax.div(q_head, jnp.int32(group))
@@ -172,20 +173,22 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           schedule_barrier()
           return acc_ref[...]
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
+        if has_qk_scales:
+          plgpu.barrier_wait(ks_bars.at[slot])
+          k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
+                               optimized=False)
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
+          qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
         plgpu.barrier_arrive(k_consumed.at[slot])
         if has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
-          k_scale = plgpu.load(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
-                               layout=col_layout, optimized=False)
           s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
                * lax.broadcast_in_dim(k_scale, s.shape, [1]))
           c = 1.0
         else:
           c = c_scale
         if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
-          qb = plgpu.load(
-              qbias_ref.at[batch, q_head, lax.div(q_base, jnp.int32(bias_rows)),
-                           pl.ds(j * bk, bk)],
-              layout=col_layout, optimized=False)
           s = s + lax.broadcast_in_dim(qb, s.shape, [1])
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
@@ -256,6 +259,10 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         slot = lax.rem(j, jnp.int32(stages))
         plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
         plgpu.barrier_wait(v_bars.at[slot])
+        if has_qk_scales:
+          plgpu.barrier_wait(ks_bars.at[slot])
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_arrive(v_consumed.at[slot])
         schedule_barrier()
@@ -291,6 +298,15 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
                  else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
+        if has_qk_scales:
+          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
+                                  ks_smem.at[slot], ks_bars.at[slot])
+        if has_qbias:  # both consumers' rows lie in one bias block
+          plgpu.copy_gmem_to_smem(
+              qbias_ref.at[batch, q_head,
+                           lax.div(tile_base, jnp.int32(bias_rows)),
+                           pl.ds(j * bk, bk)],
+              qb_smem.at[slot], qb_bars.at[slot])
 
       for st in range(stages):
         pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
@@ -318,6 +334,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       _smem((stages, bk, head_dim), k_dtype),
       _smem((stages, *v_tile), v_dtype),
       _smem((2, bq, bk), p_dtype) if need_p_smem else None,
+      plgpu.SMEM((stages, bk), jnp.float32) if has_qk_scales else None,
+      plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
   ]
   barriers = (
       plgpu.Barrier(num_barriers=stages),
@@ -326,6 +344,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_barriers=stages),
+      plgpu.Barrier(num_barriers=stages),
   )
   pl.run_scoped(lambda sc, *bars: body(sc, bars), scratch, *barriers,
                 collective_axes="wg")
@@ -369,9 +389,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     args += [pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1),
              pad(k_scale.astype(jnp.float32), 1, s_pad).transpose(0, 2, 1)]
   if q_block_bias is not None:
-    if bias_rows % bq:
+    if bias_rows % (2 * bq):
       raise ValueError(f"bias_rows={bias_rows} must be a multiple of "
-                       f"block_q={bq}")
+                       f"2 * block_q={2 * bq}")
     args.append(pad(pad(q_block_bias.astype(jnp.float32), 3, s_pad), 2,
                     -(-t_pad // bias_rows)))
   if v_block_scale is not None:
@@ -415,8 +435,8 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   if method == "fp32" and jnp.dtype(q.dtype) not in (jnp.float16,
                                                      jnp.bfloat16):
     return f"{q.dtype} inputs (the Mosaic 'fp32' kernel takes float16/bfloat16)"
-  if method == "sage" and config.smooth_q and config.block_q % 64:
-    return f"sage block_q={config.block_q} (a multiple of 64 is needed)"
+  if method == "sage" and config.smooth_q and config.block_q % 128:
+    return f"sage block_q={config.block_q} (a multiple of 128 is needed)"
   if method == "fp8" and config.granularity == "block" and config.block_q % 64:
     return f"fp8 block granularity with block_q={config.block_q}"
   block_k = getattr(config, "block_k", None) or 128
