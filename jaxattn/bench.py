@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -42,7 +43,9 @@ NO_GPU_EXIT_CODE = 1
 
 # jaxattn's methods, end to end from float16 inputs: (benchmark name, method,
 # options of jaxattn.dot_product_attention).  Append a row to time another
-# method or configuration; rows whose method has no Pallas kernel are skipped.
+# method or configuration.  Each row is timed on the Triton kernel (the name
+# as it is) and, on a Hopper GPU, on the Mosaic kernel (the name + "_mosaic")
+# where the method has one.
 JAXATTN_VARIANTS = [
     ("jaxattn_fp32", "fp32", {}),
     ("jaxattn_fp16_fp32", "fp16_fp32", {}),
@@ -56,7 +59,27 @@ JAXATTN_VARIANTS = [
     ("jaxattn_int8_half", "int8", {"pv_dtype": "fp16"}),
     ("jaxattn_fmha_int8", "fmha_int8", {}),
     ("jaxattn_fp8", "fp8", {}),
+    ("jaxattn_sage2-8b_bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
 ]
+# The quantized variants also timed kernel alone, on pre-quantized inputs.
+KERNEL_VARIANTS = [
+    ("kernel_sage2-8b", "sage", {"preset": "sage2-8b"}),
+    ("kernel_sage2-8b_bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
+    ("kernel_sage1", "sage", {"preset": "sage1"}),
+    ("kernel_int8_full", "int8", {}),
+    ("kernel_int8_half", "int8", {"pv_dtype": "fp16"}),
+    ("kernel_fp8", "fp8", {}),
+]
+
+
+def _backends(method):
+  """``[(name suffix, implementation)]`` of the method's GPU kernels."""
+  from jaxattn import api
+  m = jaxattn.base.get_method(method)
+  out = [("", "pallas")] if m.pallas is not None else []
+  if m.mosaic is not None and api._is_hopper():
+    out.append(("_mosaic", "mosaic"))
+  return out
 
 
 def parse_shapes(text):
@@ -94,70 +117,45 @@ def jax_methods(causal, d):
   except Exception:  # noqa: BLE001
     pass
   for name, m, opts in JAXATTN_VARIANTS:
-    if m not in jaxattn.METHODS or jaxattn.base.get_method(m).pallas is None:
-      continue
-    out[name] = (jnp.float16, lambda q, k, v, m=m, opts=opts:
-                 jaxattn.dot_product_attention(
-                     q, k, v, is_causal=causal, method=m,
-                     implementation="pallas", **opts))
+    for suffix, impl in _backends(m):
+      out[name + suffix] = (jnp.float16, lambda q, k, v, m=m, opts=opts,
+                            impl=impl: jaxattn.dot_product_attention(
+                                q, k, v, is_causal=causal, method=m,
+                                implementation=impl, **opts))
+  if _backends("fp32")[-1][1] == "mosaic":
+    out["jaxattn_fp32_bf16_mosaic"] = (
+        jnp.bfloat16, lambda q, k, v: jaxattn.dot_product_attention(
+            q, k, v, is_causal=causal, method="fp32", implementation="mosaic"))
   return out
 
 
 def kernel_alone(causal, d):
-  """name -> (prepare(q, k, v) -> args, kernel(*args)): the kernels timed
-  on pre-quantized inputs (the quantizer's time excluded)."""
-  out = {}
-  try:
-    from pallas_kernels import quantized as qk
-    from jaxattn import int_flash
-  except ImportError:
-    return out
+  """name -> setup(q, k, v) -> (jitted kernel, its arguments): the kernels
+  timed on pre-quantized inputs (the quantizer's time excluded), made by the
+  same :func:`pallas_kernels.prepare.kernel_inputs` the methods use."""
+  from pallas_kernels import mosaic, prepare, quantized
   scale = 1.0 / math.sqrt(d)
+  out = {}
+  for name, method, opts in KERNEL_VARIANTS:
+    cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+    for suffix, impl in _backends(method):
+      if impl == "pallas":
+        params = quantized.kernel_params(d, cfg, block_k=cfg.block_k)
+        run = functools.partial(quantized.run, params=params)
+      else:
+        run = functools.partial(mosaic.run, block_k=cfg.block_k)
 
-  def int8_prep(pv_dtype):
-    cfg = int_flash.Int8Config(pv_dtype=pv_dtype)
-    def prep(q, k, v):
-      qz = int_flash.int8_quantize(q, k, v, None, config=cfg)
-      vv = qz["v"].transpose(0, 2, 3, 1) if pv_dtype == "int8" else qz["v"]
-      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
-      return (qz["q"], qz["q_scale"] * scale * 1.4426950408889634, qz["k"],
-              qz["k_scale"], vv, lens)
-    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
-    def kern(q8, qs, k8, ks, vv, lens):
-      return qk.quantized_attention(
-          q8, qs, k8, ks, vv, lens, None, None,
-          pv="int8" if pv_dtype == "int8" else "fp16", is_causal=causal,
-          params=params)
-    return prep, kern
-
-  out["kernel_int8_full"] = int8_prep("int8")
-  out["kernel_int8_half"] = int8_prep("fp16")
-
-  def sage_prep(preset):
-    from jaxattn import sage
-    cfg = sage.SageConfig.from_options(preset=preset)
-    fp8 = cfg.pv_dtype == "fp8"
-    def prep(q, k, v):
-      z = sage.sage_quantize(q, k, v, None, scale=scale, config=cfg)
-      qbias = None
-      if cfg.smooth_q:
-        qbias = (z["smooth_bias"] * sage.log2_scale(scale)).transpose(0, 2, 1, 3)
-      vv = z["v"].transpose(0, 2, 3, 1) if fp8 else z["v"]
-      osc = z["v_scale"] / 448.0 if fp8 else jnp.ones_like(z["v_mean"])
-      lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
-      return (z["q"], z["q_scale_folded"], z["k"], z["k_scale"], vv, lens,
-              qbias, osc, z["v_mean"])
-    params = qk.kernel_params(d, cfg, block_k=cfg.block_k)
-    def kern(q8, qs, k8, ks, vv, lens, qbias, osc, vmean):
-      return qk.quantized_attention(
-          q8, qs, k8, ks, vv, lens, None, None, pv=cfg.pv_dtype,
-          is_causal=causal, params=params, q_block_bias=qbias,
-          bias_rows=cfg.block_q, out_scale=osc, out_shift=vmean,
-          out_dtype=jnp.float16)
-    return prep, kern
-
-  for preset in ("sage2-8b", "sage1"):
-    out[f"kernel_{preset}"] = sage_prep(preset)
+      def setup(q, k, v, method=method, cfg=cfg, run=run):
+        lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+        p = prepare.kernel_inputs(method, q, k, v, lens, scale=scale,
+                                  config=cfg)
+        arrays = {n: x for n, x in p.items() if isinstance(x, jax.Array)}
+        static = {n: x for n, x in p.items() if n not in arrays}
+        fn = jax.jit(lambda arrays, lens: run(
+            {**arrays, **static}, lens, is_causal=causal,
+            out_dtype=jnp.float16))
+        return fn, jax.block_until_ready((arrays, lens))
+      out[name + suffix] = setup
   return out
 
 
@@ -176,7 +174,8 @@ def torch_methods(causal):
 
 def method_jobs(causal, d, names):
   """``[(name, kind, job)]`` of the methods to time, in the JSON's order:
-  kind "jax" (job: dtype, fn), "kernel" (prepare, kernel) or "torch" (fn).
+  kind "jax" (job: dtype, fn), "kernel" (setup(q, k, v) -> (fn, args)) or
+  "torch" (fn).
   ``names`` empty means all; the reference is always included."""
   def wanted(name):
     return not names or name in names or name == REFERENCE
@@ -211,9 +210,8 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None):
         temp = getattr(mem, "temp_size_in_bytes", None)
         rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
       elif kind == "kernel":
-        prep, kern = job
-        args = jax.block_until_ready(jax.jit(prep)(*base[jnp.float16]))
-        t = time_call(jax.jit(kern), args, iters, reps)
+        fn, args = job(*base[jnp.float16])
+        t = time_call(fn, args, iters, reps)
         rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
       else:
         import torch

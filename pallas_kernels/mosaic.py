@@ -10,7 +10,7 @@ orders their tensor-core use: ping-pong).
 
 Operand types (static ``qk`` / ``pv``):
 
-* ``qk="f16"`` (float16 or bfloat16 Q, K): ``S = Q K^T`` on the 16-bit
+* ``qk="fp16"`` (float16 or bfloat16 Q, K): ``S = Q K^T`` on the 16-bit
   tensor cores, the softmax scale folded into the exponent,
   ``exp2(S * scale * log2 e - m)``;
 * ``qk="int8"``: int8 Q, K (wgmma s8 x s8 -> s32), then
@@ -18,7 +18,7 @@ Operand types (static ``qk`` / ``pv``):
   ``scale * log2 e`` folded into ``q_scale`` (SageAttention, INT-FlashAttention);
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
-* ``pv="f16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
+* ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
 * ``pv="fp8"``: ``P * 448`` in float8_e4m3fn, V ``[D, S]`` (key dimension
   contiguous, the K-major operand 8-bit wgmma needs), per-block product
   added into a float32 accumulator (two-level accumulation);
@@ -54,13 +54,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import base, quant
-from jaxattn import fp8 as fp8_ref
-from jaxattn import int_flash as int8_ref
-from jaxattn import sage as sage_ref
-from pallas_kernels import common
+from pallas_kernels import common, prepare
 
 LOG2E = math.log2(math.e)
-FP8_MAX = 448.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,13 +65,6 @@ class MosaicParams:
   block_q: int = 64
   block_kv: int = 128
   stages: int = 2
-
-
-def default_params(qk: str, pv: str, head_dim: int) -> MosaicParams:
-  del qk, pv
-  if head_dim > 128:
-    return MosaicParams(block_q=64, block_kv=64, stages=2)
-  return MosaicParams(block_q=64, block_kv=128, stages=2)
 
 
 def interpret():
@@ -209,7 +198,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           p = p_int.astype(f32)
         l_i = l_i + p.sum(axis=1)
         if pv == "fp8":
-          p_op = (p * FP8_MAX).astype(jnp.float8_e4m3fn)
+          p_op = (p * quant.FP8_MAX).astype(jnp.float8_e4m3fn)
         elif pv == "int8":
           p_op = p_int.astype(jnp.int8)
         else:
@@ -359,10 +348,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
 
   Args:
     q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (float16/bfloat16 for
-      ``qk="f16"``, int8 or float8_e4m3fn otherwise); v: ``[B, S, K, D]``
-      float16/bfloat16 (``pv="f16"``) or ``[B, K, D, S]`` float8_e4m3fn /
+      ``qk="fp16"``, int8 or float8_e4m3fn otherwise); v: ``[B, S, K, D]``
+      float16/bfloat16 (``pv="fp16"``) or ``[B, K, D, S]`` float8_e4m3fn /
       int8 (``pv="fp8"`` / ``"int8"``); kv_lens int32 ``[B]``.
-    scale: the softmax scale (``qk="f16"``); q_scale ``[B, T, N]`` (times
+    scale: the softmax scale (``qk="fp16"``); q_scale ``[B, T, N]`` (times
       ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK.
     q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
       score bias shared by each block of ``bias_rows`` query rows (a multiple
@@ -373,10 +362,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
-  if d % 64 or d > 256:
-    raise ValueError(f"the Mosaic kernel needs a head dim multiple of 64 and "
-                     f"at most 256, got {d}")
-  params = params or default_params(qk, pv, d)
+  if d not in (64, 128):  # 256 would not fit the shared-memory ring
+    raise ValueError(f"the Mosaic kernel takes head dims 64 and 128, got {d}")
+  params = params or MosaicParams()
   bq, bk = params.block_q, params.block_kv
   t_pad = common.round_up(t, 2 * bq)
   s_pad = common.round_up(s_len, bk)
@@ -384,7 +372,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   q, k = pad(q, 1, t_pad), pad(k, 1, s_pad)
   v = pad(v, 3, s_pad) if pv in ("fp8", "int8") else pad(v, 1, s_pad)
   args = [q, k, v, kv_lens.astype(jnp.int32)]
-  has_qk_scales = qk != "f16"
+  has_qk_scales = qk != "fp16"
   if has_qk_scales:
     args += [pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1),
              pad(k_scale.astype(jnp.float32), 1, s_pad).transpose(0, 2, 1)]
@@ -406,7 +394,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       c_scale=float(scale or 1.0) * LOG2E, has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
-      has_epilogue=has_epilogue, fused_pv=(pv == "f16" and interp is None),
+      has_epilogue=has_epilogue, fused_pv=(pv == "fp16" and interp is None),
       out_dtype=out_dtype)
   out = plgpu.kernel(
       kernel,
@@ -445,88 +433,46 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   return None
 
 
-def _params(config) -> MosaicParams:
-  """The method's ``block_k`` is part of its numerics (the online softmax
-  rounds P against the running max of each block; scale groups)."""
-  return MosaicParams(block_kv=config.block_k)
+def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype):
+  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict."""
+  p = inputs
+  return mosaic_attention(
+      p["q8"], p["k8"], p["v"], kv_lens, qk=p["qk"], pv=p["pv"],
+      is_causal=is_causal, params=MosaicParams(block_kv=block_k),
+      q_scale=p["q_scale"], k_scale=p["k_scale"],
+      q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
+      v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
+      out_shift=p["out_shift"], out_dtype=out_dtype)
 
 
-def _kv_heads_last(x):  # [B, S, K, D] -> [B, K, D, S]
-  return x.transpose(0, 2, 3, 1)
+def _out_dtype(q):
+  return q.dtype if q.dtype == jnp.bfloat16 else jnp.float16
 
 
 def fp32_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   """``method="fp32"``: 16-bit Q, K, V, float32 softmax and accumulation."""
   del bias, mask, config
-  return mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="f16", pv="f16",
-                          is_causal=is_causal, scale=scale, out_dtype=q.dtype)
+  return mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="fp16",
+                          pv="fp16", is_causal=is_causal, scale=scale,
+                          out_dtype=q.dtype)
 
 
-def sage_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="sage"``: :func:`jaxattn.sage.sage_quantize`, then int8 QK
-  with the smoothing bias, fp8 (x448, V per channel) or fp16 PV."""
-  del bias, mask
-  z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
-  fp8 = config.pv_dtype == "fp8"
-  qbias = None
-  if config.smooth_q:
-    qbias = (z["smooth_bias"] * sage_ref.log2_scale(scale)).transpose(0, 2, 1, 3)
-  out_scale = (z["v_scale"] / quant.FP8_MAX if fp8
-               else jnp.ones_like(z["v_mean"]))
-  return mosaic_attention(
-      z["q"], z["k"], _kv_heads_last(z["v"]) if fp8 else z["v"], kv_lens,
-      qk="int8", pv="fp8" if fp8 else "f16", is_causal=is_causal,
-      params=_params(config), q_scale=z["q_scale_folded"], k_scale=z["k_scale"], q_block_bias=qbias,
-      bias_rows=config.block_q, out_scale=out_scale, out_shift=z["v_mean"],
-      out_dtype=jnp.float16)
+def _quantized_method(name):
+  """``method=name`` ("sage", "int8", "fp8") on the kernel: the method's
+  jitted quantizer (:func:`pallas_kernels.prepare.kernel_inputs`, the same
+  as the Triton kernel's), then one call.  The method's ``block_k`` is the
+  kernel's: it is part of the numerics (the online softmax rounds P against
+  each block's running max; scale groups)."""
+  def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+    del bias, mask
+    p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
+                              config=config)
+    return run(p, kv_lens, is_causal=is_causal, block_k=config.block_k,
+               out_dtype=_out_dtype(q))
+  attention.__name__ = f"{name}_attention"
+  return attention
 
 
-def int8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="int8"``: INT-FlashAttention (full INT8: int8 P and V; half:
-  fp16 P and V) on :func:`jaxattn.int_flash.int8_quantize`'s values."""
-  del bias, mask
-  qz = int8_ref.int8_quantize(q, k, v, kv_lens, config=config)
-  full = config.pv_dtype == "int8"
-  kw = {}
-  if full and config.v_granularity == "block":
-    kw["v_block_scale"] = qz["v_scale"].transpose(0, 2, 1)   # [B, K, nb]
-  elif full:
-    sv = qz["v_scale"]                                        # [B, K]
-    kw["out_scale"] = jnp.broadcast_to(sv[..., None], (*sv.shape, v.shape[-1]))
-    kw["out_shift"] = jnp.zeros_like(kw["out_scale"])
-  return mosaic_attention(
-      qz["q"], qz["k"], _kv_heads_last(qz["v"]) if full else qz["v"], kv_lens,
-      qk="int8", pv="int8" if full else "f16", is_causal=is_causal,
-      params=_params(config), q_scale=qz["q_scale"] * (scale * LOG2E),
-      k_scale=qz["k_scale"], out_dtype=jnp.float16, **kw)
-
-
-def fp8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="fp8"``: FlashAttention-3's fp8 path on
-  :func:`jaxattn.fp8.fp8_quantize`'s values (e4m3 Q, K, V and P x 448)."""
-  del bias, mask
-  z = fp8_ref.fp8_quantize(q, k, v, kv_lens, config=config)
-  b, t, n, d = q.shape
-  s_len, nk = k.shape[1], k.shape[2]
-  kw = {}
-  if config.granularity == "block":   # scales [B, groups, heads]
-    q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
-    k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
-    kw["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
-    kw["out_scale"] = jnp.full((b, nk, d), 1.0 / quant.FP8_MAX, jnp.float32)
-  else:                               # scales [B, heads]
-    q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
-    k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
-    kw["out_scale"] = jnp.broadcast_to(
-        (z["v_scale"] / quant.FP8_MAX)[..., None], (b, nk, d))
-  kw["out_shift"] = jnp.zeros((b, nk, d), jnp.float32)
-  return mosaic_attention(
-      z["q"], z["k"], _kv_heads_last(z["v"]), kv_lens, qk="fp8", pv="fp8",
-      is_causal=is_causal, params=_params(config),
-      q_scale=q_scale * (scale * LOG2E),
-      k_scale=k_scale, out_dtype=jnp.float16, **kw)
-
-
-for _name, _fn in (("fp32", fp32_attention), ("sage", sage_attention),
-                   ("int8", int8_attention), ("fp8", fp8_attention)):
-  base.attach_mosaic(_name, _fn)
+base.attach_mosaic("fp32", fp32_attention)
+for _name in ("sage", "int8", "fp8"):
+  base.attach_mosaic(_name, _quantized_method(_name))

@@ -36,9 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jaxattn import base, quant
 from jaxattn import fmha as fmha_ref
-from jaxattn import int_flash as int8_ref
-from jaxattn import sage as sage_ref
-from pallas_kernels import common
+from pallas_kernels import common, prepare
 
 LOG2E = math.log2(math.e)
 
@@ -258,33 +256,31 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
   return out[:, :t, :, :dv]
 
 
-def _kv_heads_last(x):  # [B, S, K, D] -> [B, K, D, S]
-  return x.transpose(0, 2, 3, 1)
-
-
-def int8_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="int8"`` through the kernel: the jitted quantizer of
-  :func:`jaxattn.int_flash.int8_quantize` (V transposed once), then the
-  kernel.  Returns float32 BTNH."""
-  qz = int8_ref.int8_quantize(q, k, v, kv_lens, config=config)
-  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
-                         block_k=config.block_k)
-  q_scale = qz["q_scale"] * (scale * LOG2E)
-  full = config.pv_dtype == "int8"
-  vbs = None
-  if full and config.v_granularity == "block":
-    vbs = qz["v_scale"].transpose(0, 2, 1)                  # [B, K, nb]
-  v_in = _kv_heads_last(qz["v"]) if full else qz["v"]
-  epilogue = {}
-  if full and config.v_granularity == "tensor":
-    dv = v.shape[-1]
-    epilogue = dict(
-        out_scale=jnp.broadcast_to(qz["v_scale"][..., None], (*qz["v_scale"].shape, dv)),
-        out_shift=jnp.zeros((*qz["v_scale"].shape, dv), jnp.float32))
+def run(inputs: dict, kv_lens, bias=None, mask=None, *, is_causal, params,
+        out_dtype):
+  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict."""
+  p = inputs
   return quantized_attention(
-      qz["q"], q_scale, qz["k"], qz["k_scale"], v_in, kv_lens, bias, mask,
-      pv="int8" if full else "fp16", is_causal=is_causal, params=params,
-      v_block_scale=vbs, out_dtype=q.dtype, **epilogue)
+      p["q8"], p["q_scale"], p["k8"], p["k_scale"], p["v"], kv_lens, bias,
+      mask, pv=p["pv"], is_causal=is_causal, params=params,
+      v_block_scale=p["v_block_scale"], q_block_bias=p["q_block_bias"],
+      bias_rows=p["bias_rows"], out_scale=p["out_scale"],
+      out_shift=p["out_shift"], out_dtype=out_dtype)
+
+
+def _quantized_method(name):
+  """``method=name`` ("sage", "int8") through the kernel: the method's
+  jitted quantizer (:func:`pallas_kernels.prepare.kernel_inputs`), then the
+  kernel.  Returns BTNH in the query dtype."""
+  def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+    p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
+                              config=config)
+    params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
+                           block_k=config.block_k)
+    return run(p, kv_lens, bias, mask, is_causal=is_causal, params=params,
+               out_dtype=q.dtype)
+  attention.__name__ = f"{name}_attention"
+  return attention
 
 
 def fmha_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
@@ -303,7 +299,8 @@ def fmha_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   colsum = v8.astype(jnp.int32).reshape(b, s_pad // bk, bk, *v8.shape[2:])
   colsum = colsum.sum(axis=2).transpose(0, 2, 1, 3)         # [B, K, nb, Dv]
   o = quantized_attention(
-      qz["q"], q_scale, qz["k"], k_scale, _kv_heads_last(qz["v"]), kv_lens,
+      qz["q"], q_scale, qz["k"], k_scale, prepare.kv_heads_last(qz["v"]),
+      kv_lens,
       bias, mask, pv="uint8", is_causal=is_causal, params=params,
       v_colsum=colsum)
   o = o * (qz["v_scale"] / 255.0)
@@ -313,31 +310,6 @@ def fmha_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   return o_i8.astype(jnp.float32) * o_scale
 
 
-def sage_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="sage"`` through the kernel: the jitted pre-processing of
-  :func:`jaxattn.sage.sage_quantize` (smoothing, per-row scales with
-  ``sm_scale log2 e`` folded in, the ``q_mean K^T`` bias, V in fp8 per channel
-  transposed once), then the kernel with the V scale and mean in its
-  epilogue.  int4 values travel in int8 containers (not packed yet)."""
-  z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
-  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
-                         block_k=config.block_k)
-  fp8 = config.pv_dtype == "fp8"
-  qbias = None
-  if config.smooth_q:
-    c = sage_ref.log2_scale(scale)
-    qbias = (z["smooth_bias"] * c).transpose(0, 2, 1, 3)   # [B, N, nqb, S]
-  v_in = _kv_heads_last(z["v"]) if fp8 else z["v"]
-  out_scale = (z["v_scale"] / quant.FP8_MAX if fp8
-               else jnp.ones_like(z["v_mean"]))
-  return quantized_attention(
-      z["q"], z["q_scale_folded"], z["k"], z["k_scale"], v_in, kv_lens, bias,
-      mask, pv=config.pv_dtype, is_causal=is_causal, params=params,
-      q_block_bias=qbias, bias_rows=config.block_q, out_scale=out_scale,
-      out_shift=z["v_mean"],
-      out_dtype=q.dtype)
-
-
-base.attach_pallas("int8", int8_attention)
-base.attach_pallas("sage", sage_attention)
+base.attach_pallas("int8", _quantized_method("int8"))
+base.attach_pallas("sage", _quantized_method("sage"))
 base.attach_pallas("fmha_int8", fmha_attention)

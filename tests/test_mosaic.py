@@ -69,6 +69,20 @@ def test_mosaic_causal_fp32_bfloat16_whole_blocks():
   assert _rel(out, ref) < 5e-3  # bfloat16 output and P: rel ~2e-3
 
 
+def test_mosaic_quantized_bfloat16_in_and_out():
+  """8-bit paths with bfloat16 inputs write a bfloat16 output tile."""
+  kq, kk, kv = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(kq, (1, 128, 1, 64), jnp.bfloat16)
+  k = jax.random.normal(kk, (1, 128, 1, 64), jnp.bfloat16)
+  v = jax.random.normal(kv, (1, 128, 1, 64), jnp.bfloat16)
+  out = jaxattn.dot_product_attention(q, k, v, method="sage",
+                                      implementation="mosaic")
+  ref = jaxattn.dot_product_attention(q, k, v, method="sage",
+                                      implementation="reference")
+  assert out.dtype == jnp.bfloat16
+  assert _rel(out, ref) < 5e-3  # bfloat16 output rounding: rel ~2e-3
+
+
 def test_mosaic_rows_without_keys_are_zero():
   q = jnp.ones((2, 64, 1, 64), jnp.float16)
   k = v = jnp.ones((2, 128, 1, 64), jnp.float16)

@@ -91,3 +91,18 @@ def test_table_and_overrides():
       block_q=32, num_warps=4, num_stages=2), block_k=64)
   assert (params.block_q, params.block_k, params.num_warps,
           params.num_stages) == (32, 64, 4, 2)
+
+
+def test_benchmark_kernel_alone_is_the_method_without_its_quantizer():
+  """jaxattn.bench times the kernels on pre-quantized inputs made by the
+  same pallas_kernels.prepare.kernel_inputs the methods use: same output."""
+  from jaxattn import bench
+  kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(kq, (1, 80, 2, 64), jnp.float16)
+  k = jax.random.normal(kk, (1, 96, 2, 64), jnp.float16)
+  v = jax.random.normal(kv, (1, 96, 2, 64), jnp.float16)
+  fn, args = bench.kernel_alone(False, 64)["kernel_int8_full"](q, k, v)
+  want = jaxattn.dot_product_attention(q, k, v, method="int8",
+                                       implementation="pallas")
+  np.testing.assert_array_equal(np.asarray(fn(*args), np.float32),
+                                np.asarray(want, np.float32))
