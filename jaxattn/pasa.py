@@ -159,6 +159,28 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
   return (shifted * jnp.asarray(scale, cd)).astype(cd)
 
 
+def kernel_keys(k, kv_lens, *, scale: float, config: "PasaConfig"):
+  """The GPU kernels' PASA inputs: :func:`shift_keys` of every head.
+
+  Args: k ``[B, S, K, D]``; kv_lens int32 ``[B]``.
+  Returns: the float16 shifted, scaled keys ``[B, S_pad, K, D]`` (``S_pad``
+  a whole number of ``config.block_k`` blocks) and the kernel's constant
+  ``fl16(beta / (1 - beta))`` as a Python float.
+  """
+  if jnp.dtype(config.compute_dtype) != jnp.float16:
+    raise ValueError("the PASA kernels compute in float16; use "
+                     "implementation='reference' for compute_dtype="
+                     f"{config.compute_dtype}")
+  beta = config.resolved_beta
+  d = k.shape[-1]
+
+  def per_head(k1, n1):
+    return shift_keys(k1, n1, beta=beta, scale=scale, block_k=config.block_k,
+                      compute_dtype=jnp.float16).reshape(-1, d)
+  k = jax.vmap(jax.vmap(per_head, in_axes=(1, None), out_axes=1))(k, kv_lens)
+  return k, float(np.float16(beta / (1.0 - beta)))
+
+
 def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
               shared=None, return_lse=False):
   """One head of PASA (see the module docstring for the equations).
@@ -240,4 +262,4 @@ base.register(base.Method(
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "shift_keys",
-           "pasa_head", "reference"]
+           "kernel_keys", "pasa_head", "reference"]

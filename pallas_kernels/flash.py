@@ -24,7 +24,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -211,17 +210,9 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   bk = params.block_k
   in_dtype = q.dtype if precision == "fp32" else jnp.float16
   q, v = q.astype(in_dtype), v.astype(in_dtype)
-  if precision == "pasa":
-    if jnp.dtype(config.compute_dtype) != jnp.float16:
-      raise ValueError("the PASA kernel computes in float16; use "
-                       "implementation='reference' for compute_dtype="
-                       f"{config.compute_dtype}")
-    beta = config.resolved_beta
-    shift = functools.partial(pasa_ref.shift_keys, beta=beta, scale=scale,
-                              block_k=bk, compute_dtype=jnp.float16)
-    per_head = lambda k1, n1: shift(k1, n1).reshape(-1, d)
-    k = jax.vmap(jax.vmap(per_head, in_axes=(1, None), out_axes=1))(k, kv_lens)
-    kernel_scale = float(np.float16(beta / (1.0 - beta)))
+  if precision == "pasa":  # the shifting-matrix matmul per key block
+    k, kernel_scale = pasa_ref.kernel_keys(k, kv_lens, scale=scale,
+                                           config=config)
   else:
     k = k.astype(in_dtype)
     kernel_scale = scale

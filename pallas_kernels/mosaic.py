@@ -26,6 +26,10 @@ Operand types (static ``qk`` / ``pv``):
   accumulation per block (INT-FlashAttention); the row sum is that of the
   quantized P.
 
+``pasa_inva`` (PASA): Q and the shifted keys in float16, the softmax of
+Algorithm 1 (steps 1-6) in float16 with the online pseudo-average, the
+per-block ``P V`` rounded to float16 and added into a float16 ``O``.
+
 8-bit P goes from registers to a shared-memory tile and is read by the
 wgmma from there (the register path needs the 8-bit wgmma operand layout,
 which Mosaic GPU does not convert to from the accumulator layout).  The
@@ -52,8 +56,12 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
+from jax.experimental.mosaic import gpu as mgpu
+from jax.experimental.mosaic.gpu import utils as mgpu_utils
+import numpy as np
 
 from jaxattn import base, quant
+from jaxattn import pasa as pasa_ref
 from pallas_kernels import common, prepare
 
 LOG2E = math.log2(math.e)
@@ -72,6 +80,46 @@ def interpret():
   return plgpu.InterpretGPUParams() if common.interpret() else None
 
 
+# P's key order as the 8-bit wgmma reads it from registers: within each
+# chunk of 16 keys, thread t of a quad holds keys (2t, 2t+1, 8+2t, 9+2t) in
+# the accumulator layout and the wgmma reads them as keys 4t..4t+3
+# (:func:`_as_8bit_operand`); V's keys are stored in this order.
+KEY_PERMUTATION = np.array([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
+                            15])
+
+
+def permute_keys(v, axis):
+  """Orders the keys of ``v`` (a multiple of 16 along ``axis``) as the
+  register-operand P has them: ``v'[16c + i] = v[16c + KEY_PERMUTATION[i]]``."""
+  n = v.shape[axis]
+  idx = (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
+  return jnp.take(v, jnp.asarray(idx), axis=axis)
+
+
+def _as_8bit_operand(p):
+  """An 8-bit ``[64, bk]`` P in the accumulator (WGMMA) layout as the 8-bit
+  wgmma A operand (WGMMA_8BIT layout), without moving data: each thread's
+  two 2-element vectors of a 16-key chunk become one 4-element vector.  The
+  wgmma then reads P with its keys in :data:`KEY_PERMUTATION` order, which
+  the V operand shares (:func:`permute_keys`), so ``P V`` is unchanged.  (This
+  is FlashAttention-3's fp8 trick with the permutation moved to V, where it
+  costs nothing: V is laid out once by the quantizer.)"""
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=plgpu.ShapeDtypeStruct(p.shape, p.dtype,
+                                         plgpu.Layout.WGMMA_8BIT))
+  def reinterpret(ctx, x):
+    del ctx
+    layout = mgpu.WGMMA_LAYOUT_8BIT
+    regs = np.empty(layout.registers_shape(x.shape), dtype=object)
+    for idx in np.ndindex(regs.shape):
+      pair = [x.registers[(idx[0], 2 * idx[1] + h, *idx[2:])] for h in (0, 1)]
+      regs[idx] = mgpu_utils.vector_concat(pair)
+    return mgpu.FragmentedArray(_registers=regs, _layout=layout,
+                                _is_signed=x.is_signed)
+  return reinterpret(p)
+
+
 def _smem(shape, dtype):
   """A swizzled shared-memory tile ``shape`` whose minor dim is the wgmma
   contraction dim (or the N dim of a 16-bit B)."""
@@ -82,15 +130,66 @@ def _smem(shape, dtype):
       plgpu.SwizzleTransform(swizzle)))
 
 
+def _pasa_scores(s, visible, *, block_kv):
+  """PASA steps 1-2 on one key block's float32 product ``S' = Q K'^T``
+  (``[bq, bk]``, WGMMA layout), as :func:`jaxattn.pasa.pasa_head`: the
+  row mean over all ``bk`` columns before any mask, ``S'`` rounded to
+  float16, its masked row max ``m'``, ``P = fl16(exp(S' - m'))`` and
+  ``l' = fl16(rowsum exp(S' - m'))``.  Returns ``P`` (float16) and the rows
+  ``(s_mean, m', l', seen)``."""
+  f32, f16 = jnp.float32, jnp.float16
+  s_mean = (s.sum(axis=1) * (1.0 / block_kv)).astype(f16)
+  s = s.astype(f16)
+  seen = None
+  if visible is not None:
+    s = jnp.where(visible, s, -jnp.inf)
+    seen = jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0
+  m_loc = s.max(axis=1)
+  m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc)
+  e = jnp.exp2((s - lax.broadcast_in_dim(m_ref, s.shape, [0])).astype(f32)
+               * LOG2E)
+  return e.astype(f16), (s_mean, m_loc, e.sum(axis=1).astype(f16), seen)
+
+
+def _pasa_update(state, rows, pv_blk, *, inva):
+  """PASA steps 3-6 in float16 (:func:`jaxattn.pasa.pasa_head`): the online
+  pseudo-average ``F``, the corrections ``dm'``, the new max and the
+  rescaled ``l`` and ``O`` with the block's ``fl16(P V)``.  ``state`` is
+  ``(O, m, l, (F, count))``; rows that see no key of the block keep it."""
+  f32, f16 = jnp.float32, jnp.float16
+  o, m, l, (f, count) = state
+  s_mean, m_loc, l_loc, seen = rows
+  exp16 = lambda x: jnp.exp2(x.astype(f32) * LOG2E).astype(f16)
+  jn = count + 1.0                      # the block count j (exact in f32)
+  f_new = (count.astype(f16) * f + s_mean).astype(f32)
+  f_new = (f_new / jn.astype(f16).astype(f32)).astype(f16)
+  dmp_prev = inva * (f - f_new)
+  dmp_cur = inva * (s_mean - f_new)
+  m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
+  e_prev = exp16((m - m_new) + dmp_prev)
+  e_cur = exp16((m_loc - m_new) + dmp_cur)
+  l_new = e_prev * l + e_cur * l_loc
+  rows_of = lambda x: lax.broadcast_in_dim(x, o.shape, [0])
+  o_new = rows_of(e_cur) * pv_blk.astype(f16) + rows_of(e_prev) * o
+  if seen is None:
+    return o_new, m_new, l_new, (f_new, jn)
+  keep = lambda new, old: jnp.where(seen, new, old)
+  return (jnp.where(rows_of(seen), o_new, o), keep(m_new, m), keep(l_new, l),
+          (keep(f_new, f), keep(jn, count)))
+
+
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
-            block_q, block_kv, stages, group, c_scale, has_qk_scales,
-            has_qbias, bias_rows, has_vbs, has_epilogue, fused_pv, out_dtype):
+            block_q, block_kv, stages, group, c_scale, pasa, has_qk_scales,
+            has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
+            out_dtype):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
-  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``."""
+  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``.
+  ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
+  ``fl16(beta / (1 - beta))`` (:func:`_pasa_update`)."""
   refs = list(refs)
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
   qbias_ref = refs.pop(0) if has_qbias else None
@@ -100,7 +199,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   bq, bk = block_q, block_kv
   head_dim = q_ref.shape[-1]
   eight_bit_pv = pv in ("fp8", "int8")
-  f32 = jnp.float32
+  f32, f16 = jnp.float32, jnp.float16
 
   def body(scratch, barriers):
     q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem = scratch
@@ -140,10 +239,13 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       if has_qk_scales:
         q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
                              layout=row_layout, optimized=False)
-      m_i = plgpu.layout_cast(jnp.full((bq,), -jnp.inf, f32), row_layout)
-      l_i = plgpu.layout_cast(jnp.full((bq,), 0.0, f32), row_layout)
-      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, f32),
+      stat = f16 if pasa else f32   # PASA keeps m, l, O (and F) in float16
+      row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
+                                                 row_layout)
+      m_i, l_i = row(-jnp.inf), row(0.0)
+      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
                               plgpu.Layout.WGMMA)
+      pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
       plgpu.barrier_wait(q_bars.at[wg])
 
       @pl.when(steps > 0)
@@ -153,7 +255,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       pl.when(wg == 1)(schedule_barrier)
 
       def kv_step(j, carry, masked):
-        acc, m_i, l_i = carry
+        acc, m_i, l_i, pasa_state = carry
         slot = lax.rem(j, jnp.int32(stages))
         acc_type = jnp.int32 if qk == "int8" else f32
 
@@ -179,6 +281,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           c = c_scale
         if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
           s = s + lax.broadcast_in_dim(qb, s.shape, [1])
+        visible = None
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
                                         layout=plgpu.Layout.WGMMA)
@@ -187,26 +290,32 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           visible = cols < kv_len
           if is_causal:
             visible = visible & (cols <= rows + q_base)
-          s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s * c - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        l_i = l_i * alpha
-        if pv == "int8":  # floor(127 p + 1/2): the conversion truncates
-          p_int = (p * 127.0 + 0.5).astype(jnp.int32)
-          p = p_int.astype(f32)
-        l_i = l_i + p.sum(axis=1)
+        if pasa:
+          p, pasa_rows = _pasa_scores(s, visible, block_kv=bk)
+        else:
+          if masked:
+            s = jnp.where(visible, s, -jnp.inf)
+          m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+          alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2((s * c if c != 1.0 else s)
+                       - lax.broadcast_in_dim(m_new, s.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          if pv == "int8":  # floor(127 p + 1/2): the conversion truncates
+            p_int = (p * 127.0 + 0.5).astype(jnp.int32)
+            p = p_int.astype(f32)
+          l_i = l_i * alpha + p.sum(axis=1)
         if pv == "fp8":
           p_op = (p * quant.FP8_MAX).astype(jnp.float8_e4m3fn)
         elif pv == "int8":
           p_op = p_int.astype(jnp.int8)
         else:
           p_op = p.astype(v_ref.dtype)
-        if p_smem is not None:
+        if p_in_smem:
           p_smem[...] = p_op
           plgpu.commit_smem()
           p_op = p_smem
+        elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
+          p_op = _as_8bit_operand(p_op)
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_bars.at[slot])
         plgpu.barrier_wait(schedule)
@@ -234,15 +343,19 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
                                  ).astype(f32)
           if has_vbs:  # one V scale per key block
             pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
-          acc = acc + pv_blk
+          if pasa:
+            acc, m_new, l_i, pasa_state = _pasa_update(
+                (acc, m_i, l_i, pasa_state), pasa_rows, pv_blk, inva=c_scale)
+          else:
+            acc = acc + pv_blk
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_i
+        return acc, m_new, l_i, pasa_state
 
       carry = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False),
-                            (acc, m_i, l_i))
-      acc, m_i, l_i = lax.fori_loop(n_full, steps,
-                                    functools.partial(kv_step, masked=True),
-                                    carry)
+                            (acc, m_i, l_i, pasa_state))
+      acc, m_i, l_i, _ = lax.fori_loop(n_full, steps,
+                                       functools.partial(kv_step, masked=True),
+                                       carry)
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
         slot = lax.rem(j, jnp.int32(stages))
@@ -260,8 +373,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       pl.when(wg == 0)(schedule_barrier)
 
       empty = l_i == 0.0
-      inv_l = 1.0 / jnp.where(empty, 1.0, l_i)
-      out = acc * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      inv_l = 1.0 / jnp.where(empty, 1.0, l_i.astype(f32))
+      out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
       if has_epilogue:
         osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
                          optimized=False)
@@ -316,13 +429,12 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   q_dtype, k_dtype, v_dtype = q_ref.dtype, k_ref.dtype, v_ref.dtype
   v_tile = (head_dim, bk) if eight_bit_pv else (bk, head_dim)
   p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}.get(pv, v_dtype)
-  need_p_smem = eight_bit_pv or not fused_pv
   scratch = [
       _smem((2, bq, head_dim), q_dtype),
       _smem((2, bq, head_dim), out_dtype),
       _smem((stages, bk, head_dim), k_dtype),
       _smem((stages, *v_tile), v_dtype),
-      _smem((2, bq, bk), p_dtype) if need_p_smem else None,
+      _smem((2, bq, bk), p_dtype) if p_in_smem else None,
       plgpu.SMEM((stages, bk), jnp.float32) if has_qk_scales else None,
       plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
   ]
@@ -343,7 +455,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
-                     out_shift=None, out_dtype=jnp.float16):
+                     out_shift=None, pasa_inva=None, p_via_smem=False,
+                     out_dtype=jnp.float16):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -358,6 +471,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       of ``block_q``), or None.
     v_block_scale: float32 ``[B, K, S / block_kv]`` or None.
     out_scale, out_shift: float32 ``[B, K, D]`` or None.
+    pasa_inva: PASA's ``fl16(beta / (1 - beta))``: k then holds the shifted,
+      scaled float16 keys (:func:`jaxattn.pasa.kernel_keys`) and the softmax
+      runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``, float16 only).
+    p_via_smem: 8-bit P through a shared-memory tile instead of registers
+      (the previous design, kept to measure the difference).
   Returns: ``[B, T, N, D]`` in ``out_dtype``.
   """
   b, t, n, d = q.shape
@@ -370,7 +488,16 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   s_pad = common.round_up(s_len, bk)
   pad = common.pad_axis
   q, k = pad(q, 1, t_pad), pad(k, 1, s_pad)
-  v = pad(v, 3, s_pad) if pv in ("fp8", "int8") else pad(v, 1, s_pad)
+  interp = interpret()
+  # P feeds the PV wgmma from registers on the GPU (8-bit P with V's keys
+  # permuted, see _as_8bit_operand); in the interpreter (and with
+  # p_via_smem) it goes through shared memory.
+  p_in_smem = interp is not None or p_via_smem
+  if pv == "fp16":
+    v = pad(v, 1, s_pad)
+  else:
+    v = pad(v, 3, s_pad)
+    v = v if p_in_smem else permute_keys(v, axis=3)
   args = [q, k, v, kv_lens.astype(jnp.int32)]
   has_qk_scales = qk != "fp16"
   if has_qk_scales:
@@ -387,14 +514,19 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   has_epilogue = out_scale is not None
   if has_epilogue:
     args += [out_scale.astype(jnp.float32), out_shift.astype(jnp.float32)]
-  interp = interpret()
+  pasa = pasa_inva is not None
+  if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
+                   == jnp.float16):
+    raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_kv=bk,
       stages=params.stages, group=n // nk,
-      c_scale=float(scale or 1.0) * LOG2E, has_qk_scales=has_qk_scales,
+      c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
+      has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
-      has_epilogue=has_epilogue, fused_pv=(pv == "fp16" and interp is None),
+      has_epilogue=has_epilogue, p_in_smem=p_in_smem,
+      fused_pv=pv == "fp16" and not p_in_smem and not pasa,
       out_dtype=out_dtype)
   out = plgpu.kernel(
       kernel,
@@ -423,6 +555,8 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   if method == "fp32" and jnp.dtype(q.dtype) not in (jnp.float16,
                                                      jnp.bfloat16):
     return f"{q.dtype} inputs (the Mosaic 'fp32' kernel takes float16/bfloat16)"
+  if method == "pasa" and jnp.dtype(config.compute_dtype) != jnp.float16:
+    return f"PASA compute_dtype={config.compute_dtype} (the kernel is float16)"
   if method == "sage" and config.smooth_q and config.block_q % 128:
     return f"sage block_q={config.block_q} (a multiple of 128 is needed)"
   if method == "fp8" and config.granularity == "block" and config.block_q % 64:
@@ -457,6 +591,20 @@ def fp32_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
                           out_dtype=q.dtype)
 
 
+def pasa_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """``method="pasa"``: the keys shifted once per block by the shifting
+  matrix (:func:`jaxattn.pasa.kernel_keys`, as the Triton kernel), then
+  PASA's float16 softmax in the kernel; float16 output."""
+  del bias, mask
+  k_shifted, inva = pasa_ref.kernel_keys(k, kv_lens, scale=scale,
+                                         config=config)
+  f16 = jnp.float16
+  return mosaic_attention(q.astype(f16), k_shifted, v.astype(f16), kv_lens,
+                          qk="fp16", pv="fp16", is_causal=is_causal,
+                          params=MosaicParams(block_kv=config.block_k),
+                          pasa_inva=inva, out_dtype=f16)
+
+
 def _quantized_method(name):
   """``method=name`` ("sage", "int8", "fp8") on the kernel: the method's
   jitted quantizer (:func:`pallas_kernels.prepare.kernel_inputs`, the same
@@ -474,5 +622,6 @@ def _quantized_method(name):
 
 
 base.attach_mosaic("fp32", fp32_attention)
+base.attach_mosaic("pasa", pasa_attention)
 for _name in ("sage", "int8", "fp8"):
   base.attach_mosaic(_name, _quantized_method(_name))
