@@ -145,10 +145,12 @@ def kernel_alone(causal, d):
       else:
         run = functools.partial(mosaic.run, block_k=cfg.block_k)
 
-      def setup(q, k, v, method=method, cfg=cfg, run=run):
+      # int4 Q, K: packed for the Triton kernel, int8 containers for Mosaic
+      def setup(q, k, v, method=method, cfg=cfg, run=run,
+                pack_int4=impl == "pallas"):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
         p = prepare.kernel_inputs(method, q, k, v, lens, scale=scale,
-                                  config=cfg)
+                                  config=cfg, pack_int4=pack_int4)
         arrays = {n: x for n, x in p.items() if isinstance(x, jax.Array)}
         static = {n: x for n, x in p.items() if n not in arrays}
         fn = jax.jit(lambda arrays, lens: run(

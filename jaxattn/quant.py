@@ -70,6 +70,39 @@ def unpack_int4(packed):
   return jnp.stack([lo, hi], axis=-1).reshape(*p.shape[:-1], -1)
 
 
+def pack_int4_halves(x):
+  """Packs int8 values in ``[-8, 7]`` two per byte along the last axis (of
+  even length ``n``) in halves: byte ``j`` holds ``x[..., j]`` in its low
+  nibble and ``x[..., j + n/2]`` in its high nibble, two's complement;
+  int8 ``[..., n/2]``.
+
+  The layout of the int4 Q and K of the Triton kernel: a block of bytes
+  unpacks with two shifts into the two halves of the head dim
+  (:func:`int4_halves`, no interleaving), and ``Q K^T = Q_lo K_lo^T +
+  Q_hi K_hi^T``.  Zero bytes appended to the packed axis append zeros to
+  both halves: zero-padding the packed head dim pads each half, and the
+  product is unchanged.
+  """
+  n = x.shape[-1]
+  if n % 2:
+    raise ValueError(f"last axis must be even to pack int4, got {x.shape}")
+  x = x.astype(jnp.int8)
+  return (x[..., :n // 2] & 0xF) | (x[..., n // 2:] << 4)
+
+
+def int4_halves(packed):
+  """``(lo, hi)``: the two int8 halves of :func:`pack_int4_halves`' bytes,
+  sign-extended by arithmetic shifts (``lo = (p << 4) >> 4``, ``hi = p >>
+  4``), as the kernel unpacks them in registers."""
+  return (packed << 4) >> 4, packed >> 4
+
+
+def unpack_int4_halves(packed):
+  """Inverse of :func:`pack_int4_halves`: int8 ``[..., n/2]`` -> int8
+  ``[..., n]``."""
+  return jnp.concatenate(int4_halves(packed.astype(jnp.int8)), axis=-1)
+
+
 def reciprocal(scale):
   """``fl(1 / scale)`` in float32 (an IEEE division), with ``1 / 0 := 0``."""
   scale = jnp.asarray(scale, jnp.float32)
@@ -93,4 +126,5 @@ def quantize_fp8(x, inv_scale):
 
 __all__ = ["FP8_MAX", "qmax", "round_probability", "reciprocal",
            "quantize_int", "quantize_fp8", "group_absmax", "expand_groups",
-           "pack_int4", "unpack_int4"]
+           "pack_int4", "unpack_int4", "pack_int4_halves", "int4_halves",
+           "unpack_int4_halves"]

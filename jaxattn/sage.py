@@ -86,8 +86,11 @@ Decisions beyond the paper:
   the means are XLA reductions whose order is unspecified: means can differ
   by an ulp between contexts (batched or per head) unless the sums are
   exact.
-* int4 values are held in int8 containers (range [-7, 7]); see
-  :func:`jaxattn.quant.pack_int4` for the packed layout of a kernel.
+* int4 values are held in int8 containers (range [-7, 7]).  The Triton
+  kernel takes them packed two per byte in halves of the head dim
+  (:func:`jaxattn.quant.pack_int4_halves`, through
+  :func:`pallas_kernels.prepare.kernel_inputs`) and unpacks them to int8 in
+  registers: the same values, half the bytes.
 * The user ``bias`` (natural-log units, as ``jax.nn.dot_product_attention``)
   is multiplied by ``float32(log2 e)`` and added after ``dS``.
 * A row that sees no key returns zeros (``V_m`` is not added to it).

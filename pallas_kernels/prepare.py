@@ -8,7 +8,11 @@ out the way the kernels take it: per-row query scales with
 ``scale * log2 e`` folded in (the softmax runs in base 2), per-key K scales,
 an 8-bit V transposed once to ``[B, K, D, S]`` (the key dimension contiguous,
 as the 8-bit tensor-core PV operand wants), and the per-channel epilogue
-``O / l * out_scale + out_shift``.
+``O / l * out_scale + out_shift``.  SageAttention2's int4 Q and K go to the
+Triton kernel packed two per byte (:func:`jaxattn.quant.pack_int4_halves`:
+half the bytes moved and held; the H100 has no int4 tensor cores, the kernel
+unpacks to int8 in registers); ``pack_int4=False`` keeps them in int8
+containers (the Mosaic kernel's int8 path).
 """
 from __future__ import annotations
 
@@ -36,15 +40,27 @@ def _channels(x, shape):
   return jnp.broadcast_to(x[..., None] if x.ndim == 2 else x, shape)
 
 
+def _pack_int4(x):
+  """int4 values in int8 containers ``[..., D]`` -> int8 ``[..., ceil(D /
+  2)]`` packed in halves (an odd ``D`` gets a zero channel first)."""
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, x.shape[-1] % 2)])
+  return quant.pack_int4_halves(x)
+
+
 def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
-                  config) -> dict:
+                  config, pack_int4: bool = True) -> dict:
   """Quantized inputs of ``method`` ("sage", "int8" or "fp8").
 
   Returns a dict: ``q8`` ``[B, T, N, D]`` and ``k8`` ``[B, S, K, D]`` (int8,
   or float8_e4m3fn for "fp8"), ``q_scale`` float32 ``[B, T, N]`` (times
   ``scale * log2 e``), ``k_scale`` ``[B, S, K]``, ``v`` (float16 ``[B, S, K,
   D]`` for ``pv="fp16"``, else 8-bit ``[B, K, D, S]``), ``qk`` and ``pv``
-  (the operand types), and the optional (None when unused)
+  (the operand types: ``qk`` "int8", "fp8", or "int4" for "sage" with
+  ``qk_dtype="int4"`` and ``pack_int4``: then ``q8`` ``[B, T, N, D / 2]``
+  and ``k8`` ``[B, S, K, D / 2]`` int8 hold the values packed two per byte
+  by :func:`jaxattn.quant.pack_int4_halves`, ``ceil(D / 2)`` for an odd
+  ``D``; with ``pack_int4=False`` int4 values stay in int8 containers,
+  ``qk="int8"``), and the optional (None when unused)
   ``q_block_bias`` ``[B, N, nqb, S]`` with ``bias_rows``, ``v_block_scale``
   ``[B, K, nb]``, ``out_scale`` and ``out_shift`` ``[B, K, D]``.
   """
@@ -56,7 +72,10 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   if method == "sage":
     z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
     fp8 = config.pv_dtype == "fp8"
-    out.update(q8=z["q"], q_scale=z["q_scale_folded"], k8=z["k"],
+    q8, k8 = z["q"], z["k"]
+    if config.qk_dtype == "int4" and pack_int4:
+      q8, k8, out["qk"] = _pack_int4(q8), _pack_int4(k8), "int4"
+    out.update(q8=q8, q_scale=z["q_scale_folded"], k8=k8,
                k_scale=z["k_scale"], pv=config.pv_dtype,
                v=kv_heads_last(z["v"]) if fp8 else z["v"],
                out_scale=(z["v_scale"] / quant.FP8_MAX if fp8

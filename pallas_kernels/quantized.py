@@ -5,7 +5,13 @@ methods "int8" (INT-FlashAttention, full and half INT8) and "fmha_int8"
 
 One kernel body, per head and per query block, with static flags:
 
-* ``qk``: the QK^T operands, int8 (int8 x int8 -> int32 on the tensor cores);
+* ``qk``: the QK^T operands, ``"int8"`` (int8 x int8 -> int32 on the tensor
+  cores) or ``"int4"`` (SageAttention2's int4 Q and K packed two per byte in
+  halves of the head dim, :func:`jaxattn.quant.pack_int4_halves`: the
+  kernel loads half the bytes and unpacks them in registers with two shifts
+  into int8 halves ``lo``, ``hi``, then ``Q K^T = Q_lo K_lo^T + Q_hi
+  K_hi^T`` in int32, exactly the int8 product; the H100 has no int4 tensor
+  cores, the gain is bytes moved and memory held);
 * ``pv``: how P is quantized for the PV matmul,
   ``"int8"``  ``P = round(127 exp(S - m))``, int8 x int8 -> int32;
   ``"fp16"``  ``P = fl16(exp(S - m))``, float16 x float16 -> float32;
@@ -68,13 +74,15 @@ def _dot(a, b, acc, contract_b):
                          preferred_element_type=acc)
 
 
-def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, pv,
-                  is_causal, block_q, block_k, has_vbs, has_colsum, has_qbias,
-                  has_epilogue, has_bias, has_mask, fp8_dot_in_f32):
+def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
+                  pv, is_causal, block_q, block_k, has_vbs, has_colsum,
+                  has_qbias, has_epilogue, has_bias, has_mask, fp8_dot_in_f32):
   """One query block of one head.
 
   q_ref int8 ``[bq, D]``; qs_ref ``[bq]`` (query scale * sm_scale * log2 e);
-  k_ref int8 ``[S, D]``; ks_ref ``[S]``; v_ref: int8 ``[Dv, S]`` (transposed)
+  k_ref int8 ``[S, D]``; ks_ref ``[S]`` (``qk="int4"``: q_ref ``[bq, D / 2]``
+  and k_ref ``[S, D / 2]``, packed in halves); v_ref: int8 ``[Dv, S]``
+  (transposed)
   or float16 ``[S, Dv]``; kv_len_ref ``[1]``; then optional per-block V
   scales ``[nb]``, V column sums ``[nb, Dv]`` int32 (uint8 P), bias
   ``[bq, S]`` (natural log units), mask ``[bq, S]`` int8; output ``[bq, Dv]``
@@ -93,13 +101,21 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, pv,
   i = pl.program_id(0)
   kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
   q = q_ref[...]
+  if qk == "int4":  # unpacked once per query block
+    q_lo, q_hi = quant.int4_halves(q)
   qs = qs_ref[...]
   dv = o_ref.shape[-1]
+
+  def scores(ks):  # (Q K_j^T)_int32
+    if qk == "int4":
+      k_lo, k_hi = quant.int4_halves(k_ref[ks, :])
+      return _dot(q_lo, k_lo, i32, 1) + _dot(q_hi, k_hi, i32, 1)
+    return _dot(q, k_ref[ks, :], i32, 1)
 
   def body(j, carry, masked):
     m, l, o = carry
     ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    s = _dot(q, k_ref[ks, :], i32, 1).astype(f32)
+    s = scores(ks).astype(f32)
     s = s * qs[:, None] * ks_ref[ks][None, :]
     if has_qbias:  # SageAttention's smoothing bias q_mean K^T of the block
       s = s + qbias_ref[ks][None, :]
@@ -158,7 +174,7 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, pv,
 
 
 def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
-                        pv, is_causal, params, v_block_scale=None,
+                        pv, is_causal, params, qk="int8", v_block_scale=None,
                         v_colsum=None, q_block_bias=None, bias_rows=None,
                         out_scale=None, out_shift=None,
                         out_dtype=jnp.float32):
@@ -167,6 +183,8 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
   Args:
     q8: int8 ``[B, T, N, D]``; q_scale float32 ``[B, T, N]`` (times
       ``sm_scale * log2 e``); k8: int8 ``[B, S, K, D]``; k_scale ``[B, S, K]``;
+      for ``qk="int4"`` q8 and k8 are int4 values packed in halves,
+      ``[..., D / 2]`` (:func:`jaxattn.quant.pack_int4_halves`).
     v: int8 ``[B, K, Dv, S]`` (transposed) for ``pv`` "int8"/"uint8", float16
       ``[B, S, K, Dv]`` for "fp16"; kv_lens int32 ``[B]``; bias/mask
       ``[B, N, T, S]`` or None.
@@ -181,6 +199,8 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
   Returns:
     ``[B, T, N, Dv]`` in ``out_dtype``.
   """
+  if qk not in ("int8", "int4"):
+    raise ValueError(f"qk must be 'int8' or 'int4', got {qk!r}")
   b, t, n, d = q8.shape
   s_len, nk = k8.shape[1], k8.shape[2]
   group = n // nk
@@ -189,7 +209,9 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
   if q_block_bias is not None:  # a kernel block must not straddle two
     bq = min(bq, bias_rows)
   bk = params.block_k
-  d_pad = max(pl.next_power_of_2(d), 16)
+  # int4: d is the packed width; zero bytes pad both halves (the product is
+  # unchanged), to at least one 8-bit tensor-core K step (32) per half.
+  d_pad = max(pl.next_power_of_2(d), 16 if qk == "int8" else 32)
   dv_pad = max(pl.next_power_of_2(dv), 16)
   t_pad, s_pad = common.round_up(t, bq), common.round_up(s_len, bk)
   pad = common.pad_axis
@@ -240,9 +262,10 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
       in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
                                    lambda i, bi, h: (bi, h, i, 0)))
   kernel = functools.partial(
-      _quant_kernel, pv=pv, is_causal=is_causal, block_q=bq, block_k=bk,
-      has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
-      has_qbias=q_block_bias is not None, has_epilogue=out_scale is not None,
+      _quant_kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq,
+      block_k=bk, has_vbs=v_block_scale is not None,
+      has_colsum=v_colsum is not None, has_qbias=q_block_bias is not None,
+      has_epilogue=out_scale is not None,
       has_bias=bias is not None, has_mask=mask is not None,
       fp8_dot_in_f32=common.interpret())
   out = pl.pallas_call(
@@ -262,7 +285,7 @@ def run(inputs: dict, kv_lens, bias=None, mask=None, *, is_causal, params,
   p = inputs
   return quantized_attention(
       p["q8"], p["q_scale"], p["k8"], p["k_scale"], p["v"], kv_lens, bias,
-      mask, pv=p["pv"], is_causal=is_causal, params=params,
+      mask, qk=p["qk"], pv=p["pv"], is_causal=is_causal, params=params,
       v_block_scale=p["v_block_scale"], q_block_bias=p["q_block_bias"],
       bias_rows=p["bias_rows"], out_scale=p["out_scale"],
       out_shift=p["out_shift"], out_dtype=out_dtype)

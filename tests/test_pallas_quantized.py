@@ -1,7 +1,10 @@
 """The quantized Pallas kernel ("sage", "int8", "fmha_int8") in interpret
 mode (CPU)
 against the references: the same quantized values by construction (the
-kernels call the references' quantizers), outputs to accumulation order."""
+kernels call the references' quantizers), outputs to accumulation order.
+SageAttention2's int4 Q and K reach the kernel packed two per byte."""
+import itertools
+
 import numpy as np
 import pytest
 
@@ -9,13 +12,14 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import fmha, metrics
-from pallas_kernels import quantized
+from jaxattn import fmha, metrics, quant, sage
+from pallas_kernels import prepare, quantized
 
 # Measured kernel-vs-reference relative RMSE on these cases: 0 to 1e-6
 # (full INT8: the same int32 products; P rounding rarely flips), 3e-5
 # (half-INT8), 6e-4 (fmha_int8: one int8 step of the output quantization),
-# 4e-7 to 9e-6 (sage: same quantized values, fp8 P rounding rarely flips).
+# 4e-7 to 1.3e-5 (sage: same quantized values, fp8 P rounding rarely flips;
+# int4 Q, K reach the kernel packed two per byte).
 VARIANTS = [
     ("sage", {"preset": "sage2-8b"}, 1e-4),
     ("sage", {"preset": "sage2-4b"}, 1e-4),
@@ -106,3 +110,64 @@ def test_benchmark_kernel_alone_is_the_method_without_its_quantizer():
                                        implementation="pallas")
   np.testing.assert_array_equal(np.asarray(fn(*args), np.float32),
                                 np.asarray(want, np.float32))
+
+
+
+@pytest.mark.parametrize("d", [32, 96])
+def test_pack_int4_halves_round_trip_and_layout(d):
+  """Every pair of values in [-8, 7] (so every int4 pair of [-7, 7]) in
+  every byte: byte j holds x[j] (low nibble) and x[j + d/2] (high)."""
+  pairs = np.array(list(itertools.product(range(-8, 8), repeat=2)), np.int8)
+  col = np.arange(d // 2)  # a different pair per byte column
+  lo = (pairs[:, :1] + 8 + col) % 16 - 8
+  hi = (pairs[:, 1:] + 8 + 3 * col) % 16 - 8
+  x = jnp.asarray(np.concatenate([lo, hi], axis=1).astype(np.int8))
+  packed = quant.pack_int4_halves(x)
+  assert packed.dtype == jnp.int8 and packed.shape == (256, d // 2)
+  u = np.asarray(packed).view(np.uint8)
+  np.testing.assert_array_equal(u & 0xF, lo.astype(np.uint8) & 0xF)
+  np.testing.assert_array_equal(u >> 4, hi.astype(np.uint8) & 0xF)
+  np.testing.assert_array_equal(quant.unpack_int4_halves(packed), x)
+
+
+def test_int4_packed_path(monkeypatch):
+  """sage2-4b through the kernel takes the packed path (D=96, odd lengths,
+  causal, GQA): Q and K reach it as D/2 int8 bytes (half the bytes of the
+  int8 containers) that unpack to exactly the int8-container values; it
+  matches the reference, and equals bit for bit the kernel run on the int8
+  containers (the int32 products are the same)."""
+  kernel_inputs, seen = prepare.kernel_inputs, []
+  monkeypatch.setattr(prepare, "kernel_inputs", lambda *a, **kw: seen.append(
+      kernel_inputs(*a, **kw)) or seen[-1])
+  q, k, v = _inputs(11, 1, 41, 67, 4, 2, 96)
+  k = k + 2.0
+  lens = jnp.array([61])
+  kw = dict(method="sage", preset="sage2-4b", is_causal=True,
+            key_value_seq_lengths=lens)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
+                                      **kw)
+  assert [(p["qk"], p["q8"].shape, p["k8"].shape) for p in seen] == [
+      ("int4", (1, 41, 4, 48), (1, 67, 2, 48))]
+  assert metrics.nonfinite_fraction(out) == 0.0
+  assert metrics.relative_rmse(out, ref) < 1e-4
+
+  cfg = sage.SageConfig.from_options(preset="sage2-4b")
+  args = (q, k, v, lens)
+  packed = kernel_inputs("sage", *args, scale=96 ** -0.5, config=cfg)
+  plain = kernel_inputs("sage", *args, scale=96 ** -0.5, config=cfg,
+                        pack_int4=False)
+  assert (packed["qk"], plain["qk"]) == ("int4", "int8")
+  for name, x in (("q8", q), ("k8", k)):
+    assert packed[name].dtype == jnp.int8
+    assert packed[name].nbytes == x.size // 2 == plain[name].nbytes // 2
+    np.testing.assert_array_equal(quant.unpack_int4_halves(packed[name]),
+                                  plain[name])
+  for name in packed.keys() - {"q8", "k8", "qk"}:
+    if isinstance(packed[name], jax.Array):
+      np.testing.assert_array_equal(packed[name], plain[name])
+  params = quantized.kernel_params(128, cfg, block_k=cfg.block_k)
+  unpacked = quantized.run(plain, lens, is_causal=True, params=params,
+                           out_dtype=q.dtype)
+  np.testing.assert_array_equal(np.asarray(out, np.float32),
+                                np.asarray(unpacked, np.float32))
