@@ -567,8 +567,10 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   return None
 
 
-def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype):
-  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict."""
+def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
+        p_via_smem=False):
+  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict (int4
+  in int8 containers: ``pack_int4=False``)."""
   p = inputs
   return mosaic_attention(
       p["q8"], p["k8"], p["v"], kv_lens, qk=p["qk"], pv=p["pv"],
@@ -576,7 +578,7 @@ def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype):
       q_scale=p["q_scale"], k_scale=p["k_scale"],
       q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
       v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
-      out_shift=p["out_shift"], out_dtype=out_dtype)
+      out_shift=p["out_shift"], p_via_smem=p_via_smem, out_dtype=out_dtype)
 
 
 def _out_dtype(q):
@@ -614,7 +616,7 @@ def _quantized_method(name):
   def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
     del bias, mask
     p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
-                              config=config)
+                              config=config, pack_int4=False)
     return run(p, kv_lens, is_causal=is_causal, block_k=config.block_k,
                out_dtype=_out_dtype(q))
   attention.__name__ = f"{name}_attention"
