@@ -65,6 +65,7 @@ JAXATTN_VARIANTS = [
 KERNEL_VARIANTS = [
     ("kernel_sage2-8b", "sage", {"preset": "sage2-8b"}),
     ("kernel_sage2-8b_bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
+    ("kernel_sage2-4b", "sage", {"preset": "sage2-4b"}),
     ("kernel_sage1", "sage", {"preset": "sage1"}),
     ("kernel_int8_full", "int8", {}),
     ("kernel_int8_half", "int8", {"pv_dtype": "fp16"}),
@@ -129,6 +130,42 @@ def jax_methods(causal, d):
   return out
 
 
+# On Hopper, these kernels also timed with 8-bit P through shared memory
+# (the "_p_smem" suffix) instead of from registers.
+P_SMEM_VARIANTS = ("kernel_sage2-8b_bk128", "kernel_int8_full", "kernel_fp8")
+# The quantizers alone ("prep_" + the method's name): the kernels' BTNH
+# quantizer, and SageAttention's reference quantizer (per head through vmap)
+# that it replaces.
+PREP_VARIANTS = [
+    ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}),
+    ("prep_int8_full", "int8", {}),
+    ("prep_fp8", "fp8", {}),
+]
+
+
+def quantizers_alone(d):
+  """name -> setup(q, k, v) -> (jitted quantizer, its arguments)."""
+  from jaxattn import sage
+  from pallas_kernels import prepare
+  scale = 1.0 / math.sqrt(d)
+  out = {}
+  for name, method, opts in PREP_VARIANTS:
+    cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+    fns = {name: lambda q, k, v, lens, method=method, cfg=cfg: {
+        n: x for n, x in prepare.kernel_inputs(
+            method, q, k, v, lens, scale=scale, config=cfg).items()
+        if isinstance(x, jax.Array)}}
+    if method == "sage":
+      fns[name + "_reference"] = lambda q, k, v, lens, cfg=cfg: (
+          sage.sage_quantize(q, k, v, lens, scale=scale, config=cfg))
+    for n, fn in fns.items():
+      def setup(q, k, v, fn=fn):
+        lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
+        return jax.jit(fn), (q, k, v, lens)
+      out[n] = setup
+  return out
+
+
 def kernel_alone(causal, d):
   """name -> setup(q, k, v) -> (jitted kernel, its arguments): the kernels
   timed on pre-quantized inputs (the quantizer's time excluded), made by the
@@ -158,6 +195,9 @@ def kernel_alone(causal, d):
             out_dtype=jnp.float16))
         return fn, jax.block_until_ready((arrays, lens))
       out[name + suffix] = setup
+      if impl == "mosaic" and name in P_SMEM_VARIANTS:
+        out[name + suffix + "_p_smem"] = functools.partial(
+            setup, run=functools.partial(run, p_via_smem=True))
   return out
 
 
@@ -184,6 +224,8 @@ def method_jobs(causal, d, names):
   return ([(n, "jax", j) for n, j in jax_methods(causal, d).items()
            if wanted(n)]
           + [(n, "kernel", j) for n, j in kernel_alone(causal, d).items()
+             if wanted(n)]
+          + [(n, "kernel", j) for n, j in quantizers_alone(d).items()
              if wanted(n)]
           + [(n, "torch", j) for n, j in torch_methods(causal).items()
              if wanted(n)])

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import fp8 as fp8_ref
 from jaxattn import int_flash as int8_ref
@@ -47,6 +49,146 @@ def _pack_int4(x):
   return quant.pack_int4_halves(x)
 
 
+# The quantizers below are the references' (jaxattn.sage.sage_quantize,
+# jaxattn.int_flash.int8_quantize, jaxattn.fp8.fp8_quantize) written on the
+# BTNH arrays directly instead of per head through vmap: the same values
+# (tests/test_prepare.py checks them bit for bit), in fewer passes over
+# memory and without the transposes that vmap's head axis costs.
+
+
+def _group_amax(x, group: int):
+  """``max |x|`` of ``x`` ``[B, L, H, D]`` over groups of ``group`` rows (and
+  ``D``): ``[B, ceil(L / group), H]`` (a group longer than ``L`` is one)."""
+  n = x.shape[1]
+  group = max(1, min(group, n))
+  amax = jnp.abs(x).max(axis=-1)                         # [B, L, H]
+  amax = jnp.pad(amax, [(0, 0), (0, -n % group), (0, 0)])
+  return amax.reshape(amax.shape[0], -1, group, amax.shape[2]).max(axis=2)
+
+
+def _expand(per_group, group: int, n: int):
+  """``[B, G, H]`` per-group values as one per row ``[B, n, H]``."""
+  return jnp.repeat(per_group, max(1, min(group, n)), axis=1)[:, :n]
+
+
+def _group_scales(x, group: int, bits: int):
+  """Per-row scales ``fl(amax * fl(1/qmax))`` of ``x`` ``[B, L, H, D]`` over
+  groups of rows: ``[B, L, H]`` (:func:`jaxattn.sage._row_scales`)."""
+  rcp = np.float32(1.0 / quant.qmax(bits))
+  per_group = sage_ref._rounded(_group_amax(x, group) * rcp)
+  return _expand(per_group, group, x.shape[1])
+
+
+def _valid_keys(k, kv_lens):
+  """``[B, S, 1, 1]``: key ``s`` of batch ``b`` is below ``kv_lens[b]``."""
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  return (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
+
+
+def int8_inputs(q, k, v, kv_lens, *, config) -> dict:
+  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries)."""
+  f32 = jnp.float32
+  valid = _valid_keys(k, kv_lens)
+  q8, q_scale = int8_ref._per_token(q)
+  k8, k_scale = int8_ref._per_token(jnp.where(valid, k.astype(f32), 0.0))
+  out = dict(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale)
+  vf = jnp.where(valid, v.astype(f32), 0.0)
+  if config.pv_dtype == "fp16":
+    out["v"] = vf.astype(jnp.float16)
+  elif config.v_granularity == "tensor":
+    sv = jnp.abs(vf).max(axis=(1, 3)) * int8_ref.RCP_R      # [B, K]
+    out.update(v=int8_ref._quantize(vf, sv[:, None, :, None]), v_scale=sv)
+  else:
+    sv = _group_amax(vf, config.block_k) * int8_ref.RCP_R   # [B, nb, K]
+    rows = _expand(sv, config.block_k, vf.shape[1])
+    out.update(v=int8_ref._quantize(vf, rows[..., None]), v_scale=sv)
+  return out
+
+
+def fp8_inputs(q, k, v, kv_lens, *, config) -> dict:
+  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries)."""
+  f32 = jnp.float32
+  valid = _valid_keys(k, kv_lens)
+  block = config.granularity == "block"
+
+  def quantize(x, group):
+    if not block:
+      sc = jnp.abs(x).max(axis=(1, 3)) * fp8_ref.RCP_FP8_MAX   # [B, H]
+      return quant.quantize_fp8(
+          x, quant.reciprocal(sc)[:, None, :, None]), sc
+    sc = _group_amax(x, group) * fp8_ref.RCP_FP8_MAX           # [B, G, H]
+    rows = _expand(sc, group, x.shape[1])
+    return quant.quantize_fp8(x, quant.reciprocal(rows)[..., None]), sc
+
+  q8, sq = quantize(q.astype(f32), config.block_q)
+  k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
+  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k)
+  return dict(q=q8, q_scale=sq, k=k8, k_scale=sk, v=v8, v_scale=sv)
+
+
+def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
+  """SageAttention2's pre-processing written on the BTNH arrays directly:
+  the same quantized values and scales as :func:`jaxattn.sage.sage_quantize`
+  (the reference, per head through ``vmap``), in fewer passes and without
+  its per-head layouts, the float32 smoothed-key copy or the transposes.
+
+  Returns ``q`` int8 ``[B, T, N, D]``, ``q_scale_folded`` ``[B, T, N]``,
+  ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``v``
+  (float8_e4m3fn or float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
+  ``v_mean`` ``[B, K, D]``, and ``smooth_bias`` ``[B, N, nqb, S]`` (base e,
+  ``q_m K_smoothed^T``) when ``smooth_q``.
+  """
+  f32 = jnp.float32
+  b, t, n, d = q.shape
+  s, nk = k.shape[1], k.shape[2]
+  g = n // nk
+  bits = config.bits
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  valid = _valid_keys(k, kv_lens)
+  rcp_count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
+  rcp_count = rcp_count[:, None, None]
+  out = {}
+
+  def smoothed(x, smooth):
+    x = jnp.where(valid, x.astype(f32), 0.0)
+    mean = (sage_ref._rounded(x.sum(axis=1) * rcp_count) if smooth
+            else jnp.zeros((b, nk, x.shape[-1]), f32))   # [B, K, D]
+    return jnp.where(valid, x - mean[:, None], 0.0), mean
+
+  ks, _ = smoothed(k, config.smooth_k)
+  k_scale = _group_scales(ks, sage_ref._k_group(config, s), bits)
+  out["k"] = quant.quantize_int(ks, quant.reciprocal(k_scale)[..., None], bits)
+  out["k_scale"] = k_scale
+  vs, out["v_mean"] = smoothed(v, config.smooth_v)
+  if config.pv_dtype == "fp8":
+    v_scale = sage_ref._rounded(jnp.abs(vs).max(axis=1) * sage_ref.RCP_FP8_MAX)
+    out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[:, None])
+    out["v_scale"] = v_scale
+  else:
+    out["v"] = vs.astype(jnp.float16)
+
+  bq = config.block_q
+  nqb = -(-t // bq)
+  qf = jnp.pad(q.astype(f32), [(0, 0), (0, nqb * bq - t), (0, 0), (0, 0)])
+  qf = qf.reshape(b, nqb, bq, n, d)
+  if config.smooth_q:
+    counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
+    q_mean = sage_ref._rounded(qf.sum(axis=2) * quant.reciprocal(counts)[
+        None, :, None, None])                            # [B, nqb, N, D]
+    qm = q_mean.reshape(b, nqb, nk, g, d)
+    out["smooth_bias"] = jnp.einsum(
+        "bqkgd,bskd->bkgqs", qm, ks, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=f32).reshape(b, n, nqb, s)
+    real = (jnp.arange(nqb * bq) < t).reshape(1, nqb, bq, 1, 1)
+    qf = jnp.where(real, qf - q_mean[:, :, None], 0.0)
+  qs = qf.reshape(b, nqb * bq, n, d)
+  q_scale = _group_scales(qs, sage_ref._q_group(config, nqb * bq), bits)
+  q_scale, qs = q_scale[:, :t], qs[:, :t]
+  out["q"] = quant.quantize_int(qs, quant.reciprocal(q_scale)[..., None], bits)
+  out["q_scale_folded"] = q_scale * sage_ref.log2_scale(scale)
+  return out
+
+
 def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
                   config, pack_int4: bool = True) -> dict:
   """Quantized inputs of ``method`` ("sage", "int8" or "fp8").
@@ -70,7 +212,7 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   out = dict(qk="int8", q_block_bias=None, bias_rows=None, v_block_scale=None,
              out_scale=None, out_shift=None)
   if method == "sage":
-    z = sage_ref.sage_quantize(q, k, v, kv_lens, scale=scale, config=config)
+    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config)
     fp8 = config.pv_dtype == "fp8"
     q8, k8 = z["q"], z["k"]
     if config.qk_dtype == "int4" and pack_int4:
@@ -82,11 +224,10 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
                           else jnp.ones(kv_shape, jnp.float32)),
                out_shift=z["v_mean"])
     if config.smooth_q:
-      out["q_block_bias"] = (z["smooth_bias"] * sage_ref.log2_scale(scale)
-                             ).transpose(0, 2, 1, 3)
+      out["q_block_bias"] = z["smooth_bias"] * sage_ref.log2_scale(scale)
       out["bias_rows"] = config.block_q
   elif method == "int8":
-    z = int8_ref.int8_quantize(q, k, v, kv_lens, config=config)
+    z = int8_inputs(q, k, v, kv_lens, config=config)
     full = config.pv_dtype == "int8"
     out.update(q8=z["q"], q_scale=z["q_scale"] * (scale * LOG2E), k8=z["k"],
                k_scale=z["k_scale"], pv=config.pv_dtype,
@@ -97,7 +238,7 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
       out["out_scale"] = _channels(z["v_scale"], kv_shape)
       out["out_shift"] = jnp.zeros(kv_shape, jnp.float32)
   elif method == "fp8":
-    z = fp8_ref.fp8_quantize(q, k, v, kv_lens, config=config)
+    z = fp8_inputs(q, k, v, kv_lens, config=config)
     if config.granularity == "block":  # scales [B, groups, heads]
       q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
       k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
