@@ -85,29 +85,8 @@ def _valid_keys(k, kv_lens):
   return (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
 
 
-def _v_operand(quantize, x, inv, v_layout):
-  """``quantize(x, inv)`` of V ``x`` ``[B, S, K, D]`` (``inv`` broadcastable
-  to it), written directly in the layout the 8-bit PV operand wants:
-  ``v_layout`` None keeps ``[B, S, K, D]``; ``"keys_last"`` gives ``[B, K, D,
-  S]``; an int array of key indices (length a padded ``S'``) gives ``[B, K, D,
-  S']`` with key ``i`` taken from ``v_layout[i]`` (keys at or beyond ``S``
-  are zero).  Transposing the float input inside the quantizer's fusion
-  costs nothing; XLA's transpose of the 8-bit result measured 0.47 ms at
-  2x32x8192x128 (run20)."""
-  if v_layout is None:
-    return quantize(x, inv)
-  inv = jnp.broadcast_to(inv, x.shape)
-  if not isinstance(v_layout, str):
-    order = jnp.asarray(v_layout)
-    x, inv = (jnp.take(jnp.pad(a, [(0, 0), (0, order.shape[0] - a.shape[1]),
-                                    (0, 0), (0, 0)]), order, axis=1)
-              for a in (x, inv))
-  return quantize(kv_heads_last(x), kv_heads_last(inv))
-
-
-def int8_inputs(q, k, v, kv_lens, *, config, v_layout=None) -> dict:
-  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries;
-  an int8 V laid out by ``v_layout``, see :func:`_v_operand`)."""
+def int8_inputs(q, k, v, kv_lens, *, config) -> dict:
+  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
   q8, q_scale = int8_ref._per_token(q)
@@ -118,76 +97,36 @@ def int8_inputs(q, k, v, kv_lens, *, config, v_layout=None) -> dict:
     out["v"] = vf.astype(jnp.float16)
   elif config.v_granularity == "tensor":
     sv = jnp.abs(vf).max(axis=(1, 3)) * int8_ref.RCP_R      # [B, K]
-    out.update(v=_v_operand(int8_ref._quantize, vf, sv[:, None, :, None],
-                            v_layout), v_scale=sv)
+    out.update(v=int8_ref._quantize(vf, sv[:, None, :, None]), v_scale=sv)
   else:
     sv = _group_amax(vf, config.block_k) * int8_ref.RCP_R   # [B, nb, K]
     rows = _expand(sv, config.block_k, vf.shape[1])
-    out.update(v=_v_operand(int8_ref._quantize, vf, rows[..., None],
-                            v_layout), v_scale=sv)
+    out.update(v=int8_ref._quantize(vf, rows[..., None]), v_scale=sv)
   return out
 
 
-def fp8_inputs(q, k, v, kv_lens, *, config, v_layout=None) -> dict:
-  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries; V laid
-  out by ``v_layout``, see :func:`_v_operand`)."""
+def fp8_inputs(q, k, v, kv_lens, *, config) -> dict:
+  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
   block = config.granularity == "block"
 
-  def quantize(x, group, layout=None):
+  def quantize(x, group):
     if not block:
       sc = jnp.abs(x).max(axis=(1, 3)) * fp8_ref.RCP_FP8_MAX   # [B, H]
-      inv = quant.reciprocal(sc)[:, None, :, None]
-    else:
-      sc = _group_amax(x, group) * fp8_ref.RCP_FP8_MAX         # [B, G, H]
-      inv = quant.reciprocal(_expand(sc, group, x.shape[1]))[..., None]
-    return _v_operand(quant.quantize_fp8, x, inv, layout), sc
+      return quant.quantize_fp8(
+          x, quant.reciprocal(sc)[:, None, :, None]), sc
+    sc = _group_amax(x, group) * fp8_ref.RCP_FP8_MAX           # [B, G, H]
+    rows = _expand(sc, group, x.shape[1])
+    return quant.quantize_fp8(x, quant.reciprocal(rows)[..., None]), sc
 
   q8, sq = quantize(q.astype(f32), config.block_q)
   k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
-  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k,
-                    v_layout)
+  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k)
   return dict(q=q8, q_scale=sq, k=k8, k_scale=sk, v=v8, v_scale=sv)
 
 
-def _smooth_bias(q_mean, k, ks, k_mean, valid):
-  """SageAttention's ``dS = q_m K_smoothed^T`` ``[B, N, nqb, S]`` (float32)
-  from ``q_mean`` ``[B, nqb, N, D]``, the keys ``k`` ``[B, S, K, D]``, their
-  smoothed float32 values ``ks``, mean ``k_mean`` ``[B, K, D]`` and
-  visibility ``valid``.
-
-  For float16 keys it is computed as ``q_m K^T - q_m k_mean`` with ``q_m``
-  split into two float16 parts (``hi + lo``, 22 bits): one float16 matmul
-  over the keys as they are, float32 accumulation, instead of a float32
-  matmul over a float32 copy of the smoothed keys (0.68 of 1.2 ms of the
-  quantizer at 2x32x8192x128, run20).  The result differs from the
-  reference's ``q_m K_smoothed^T`` by float32 rounding (the subtraction of
-  two products instead of one product of a difference)."""
-  f32, f16 = jnp.float32, jnp.float16
-  b, nqb, n, d = q_mean.shape
-  s, nk = k.shape[1], k.shape[2]
-  qm = q_mean.reshape(b, nqb, nk, n // nk, d)
-  if k.dtype != f16:
-    return jnp.einsum("bqkgd,bskd->bkgqs", qm, ks,
-                      precision=jax.lax.Precision.HIGHEST,
-                      preferred_element_type=f32).reshape(b, n, nqb, s)
-  hi = qm.astype(f16)
-  lo = (qm - hi.astype(f32)).astype(f16)
-  parts = jnp.concatenate([hi, lo], axis=1)                  # [B, 2nqb, ...]
-  prod = jnp.einsum("bqkgd,bskd->bkgqs", parts, jnp.where(valid, k, 0),
-                    preferred_element_type=f32)
-  prod = prod[..., :nqb, :] + prod[..., nqb:, :]
-  shift = jnp.einsum("bqkgd,bkd->bkgq", qm, k_mean,
-                     precision=jax.lax.Precision.HIGHEST,
-                     preferred_element_type=f32)
-  bias = prod - shift[..., None]
-  return jnp.where(valid[:, None, None, None, :, 0, 0], bias,
-                   0.0).reshape(b, n, nqb, s)
-
-
-def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
-                v_layout=None) -> dict:
+def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
   """SageAttention2's pre-processing written on the BTNH arrays directly:
   the same quantized values and scales as :func:`jaxattn.sage.sage_quantize`
   (the reference, per head through ``vmap``), in fewer passes and without
@@ -195,8 +134,7 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
 
   Returns ``q`` int8 ``[B, T, N, D]``, ``q_scale_folded`` ``[B, T, N]``,
   ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``v``
-  (float8_e4m3fn laid out by ``v_layout``, see :func:`_v_operand`, or
-  float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
+  (float8_e4m3fn or float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
   ``v_mean`` ``[B, K, D]``, and ``smooth_bias`` ``[B, N, nqb, S]`` (base e,
   ``q_m K_smoothed^T``) when ``smooth_q``.
   """
@@ -217,15 +155,14 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
             else jnp.zeros((b, nk, x.shape[-1]), f32))   # [B, K, D]
     return jnp.where(valid, x - mean[:, None], 0.0), mean
 
-  ks, k_mean = smoothed(k, config.smooth_k)
+  ks, _ = smoothed(k, config.smooth_k)
   k_scale = _group_scales(ks, sage_ref._k_group(config, s), bits)
   out["k"] = quant.quantize_int(ks, quant.reciprocal(k_scale)[..., None], bits)
   out["k_scale"] = k_scale
   vs, out["v_mean"] = smoothed(v, config.smooth_v)
   if config.pv_dtype == "fp8":
     v_scale = sage_ref._rounded(jnp.abs(vs).max(axis=1) * sage_ref.RCP_FP8_MAX)
-    out["v"] = _v_operand(quant.quantize_fp8, vs,
-                          quant.reciprocal(v_scale)[:, None], v_layout)
+    out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[:, None])
     out["v_scale"] = v_scale
   else:
     out["v"] = vs.astype(jnp.float16)
@@ -238,7 +175,10 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
     counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
     q_mean = sage_ref._rounded(qf.sum(axis=2) * quant.reciprocal(counts)[
         None, :, None, None])                            # [B, nqb, N, D]
-    out["smooth_bias"] = _smooth_bias(q_mean, k, ks, k_mean, valid)
+    qm = q_mean.reshape(b, nqb, nk, g, d)
+    out["smooth_bias"] = jnp.einsum(
+        "bqkgd,bskd->bkgqs", qm, ks, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=f32).reshape(b, n, nqb, s)
     real = (jnp.arange(nqb * bq) < t).reshape(1, nqb, bq, 1, 1)
     qf = jnp.where(real, qf - q_mean[:, :, None], 0.0)
   qs = qf.reshape(b, nqb * bq, n, d)
@@ -250,7 +190,7 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
 
 
 def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
-                  config, pack_int4: bool = True, v_key_order=None) -> dict:
+                  config, pack_int4: bool = True) -> dict:
   """Quantized inputs of ``method`` ("sage", "int8" or "fp8").
 
   Returns a dict: ``q8`` ``[B, T, N, D]`` and ``k8`` ``[B, S, K, D]`` (int8,
@@ -265,26 +205,21 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   ``qk="int8"``), and the optional (None when unused)
   ``q_block_bias`` ``[B, N, nqb, S]`` with ``bias_rows``, ``v_block_scale``
   ``[B, K, nb]``, ``out_scale`` and ``out_shift`` ``[B, K, D]``.
-  ``v_key_order``: None, or key indices (length a padded ``S'``) in which an
-  8-bit V's keys are stored (the Mosaic kernel's register-operand order,
-  :func:`pallas_kernels.mosaic.key_order`); ``v_keys_ordered`` says which.
   """
   b, t, n, d = q.shape
-  v_layout = "keys_last" if v_key_order is None else v_key_order
   s_len, nk = k.shape[1], k.shape[2]
   kv_shape = (b, nk, v.shape[-1])
   out = dict(qk="int8", q_block_bias=None, bias_rows=None, v_block_scale=None,
-             out_scale=None, out_shift=None, v_keys_ordered=False)
+             out_scale=None, out_shift=None)
   if method == "sage":
+    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config)
     fp8 = config.pv_dtype == "fp8"
-    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
-                    v_layout=v_layout if fp8 else None)
     q8, k8 = z["q"], z["k"]
     if config.qk_dtype == "int4" and pack_int4:
       q8, k8, out["qk"] = _pack_int4(q8), _pack_int4(k8), "int4"
     out.update(q8=q8, q_scale=z["q_scale_folded"], k8=k8,
                k_scale=z["k_scale"], pv=config.pv_dtype,
-               v=z["v"], v_keys_ordered=fp8 and v_key_order is not None,
+               v=kv_heads_last(z["v"]) if fp8 else z["v"],
                out_scale=(z["v_scale"] / quant.FP8_MAX if fp8
                           else jnp.ones(kv_shape, jnp.float32)),
                out_shift=z["v_mean"])
@@ -292,19 +227,18 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
       out["q_block_bias"] = z["smooth_bias"] * sage_ref.log2_scale(scale)
       out["bias_rows"] = config.block_q
   elif method == "int8":
+    z = int8_inputs(q, k, v, kv_lens, config=config)
     full = config.pv_dtype == "int8"
-    z = int8_inputs(q, k, v, kv_lens, config=config,
-                    v_layout=v_layout if full else None)
     out.update(q8=z["q"], q_scale=z["q_scale"] * (scale * LOG2E), k8=z["k"],
                k_scale=z["k_scale"], pv=config.pv_dtype,
-               v=z["v"], v_keys_ordered=full and v_key_order is not None)
+               v=kv_heads_last(z["v"]) if full else z["v"])
     if full and config.v_granularity == "block":
       out["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
     elif full:
       out["out_scale"] = _channels(z["v_scale"], kv_shape)
       out["out_shift"] = jnp.zeros(kv_shape, jnp.float32)
   elif method == "fp8":
-    z = fp8_inputs(q, k, v, kv_lens, config=config, v_layout=v_layout)
+    z = fp8_inputs(q, k, v, kv_lens, config=config)
     if config.granularity == "block":  # scales [B, groups, heads]
       q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
       k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
@@ -316,7 +250,7 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
       out["out_scale"] = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
     out.update(qk="fp8", pv="fp8", q8=z["q"],
                q_scale=q_scale * (scale * LOG2E), k8=z["k"], k_scale=k_scale,
-               v=z["v"], v_keys_ordered=v_key_order is not None,
+               v=kv_heads_last(z["v"]),
                out_shift=jnp.zeros(kv_shape, jnp.float32))
   else:
     raise ValueError(f"no quantized kernel inputs for method {method!r}")

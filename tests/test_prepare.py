@@ -8,7 +8,6 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import jaxattn
 from jaxattn import fp8, int_flash, sage
 from pallas_kernels import prepare
 
@@ -27,12 +26,8 @@ def _assert_same(fast, ref, approx=()):
     a = np.asarray(fast[name].astype(jnp.float32))
     r = np.asarray(ref[name].astype(jnp.float32))
     assert a.shape == r.shape, (name, a.shape, r.shape)
-    if name in approx:
-      # The smoothing bias: q_m K^T - q_m k_mean with q_m in two float16
-      # parts against the reference's q_m (K - k_mean)^T in float32;
-      # measured 2.4e-7 / 1.1e-6 / 6.3e-6 of max|dS| for key offsets 0 /
-      # 1.5 / 10.
-      np.testing.assert_allclose(a, r, rtol=0, atol=1e-5 * np.abs(r).max())
+    if name in approx:  # a float32 matmul: accumulation order
+      np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6 * np.abs(r).max())
     else:
       np.testing.assert_array_equal(a, r, err_msg=name)
 
@@ -76,30 +71,3 @@ def test_fp8_inputs_equal_reference(opts):
   cfg = fp8.Fp8Config(**opts)
   fast = jax.jit(lambda *a: prepare.fp8_inputs(*a, config=cfg))(q, k, v, lens)
   _assert_same(fast, fp8.fp8_quantize(q, k, v, lens, config=cfg))
-
-
-@pytest.mark.parametrize("method,opts", [
-    ("sage", dict(preset="sage2-8b")), ("int8", dict()),
-    ("int8", dict(v_granularity="block")), ("fp8", dict()),
-    ("fp8", dict(granularity="block"))], ids=str)
-def test_v_written_keys_last_and_in_key_order(method, opts):
-  """The 8-bit V straight in the PV operand's layout ``[B, K, D, S]`` (and in
-  the Mosaic kernel's register-operand key order): the same values as
-  quantizing first and transposing (what XLA did slowly)."""
-  from pallas_kernels import mosaic
-  q, k, v, lens = _inputs(9, s=250)
-  cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
-  fn = {"sage": lambda **kw: prepare.sage_inputs(q, k, v, lens, scale=0.1,
-                                                 config=cfg, **kw),
-        "int8": lambda **kw: prepare.int8_inputs(q, k, v, lens, config=cfg,
-                                                 **kw),
-        "fp8": lambda **kw: prepare.fp8_inputs(q, k, v, lens, config=cfg,
-                                               **kw)}[method]
-  btnh = np.asarray(fn()["v"].astype(jnp.float32))
-  keys_last = np.asarray(fn(v_layout="keys_last")["v"].astype(jnp.float32))
-  np.testing.assert_array_equal(keys_last, btnh.transpose(0, 2, 3, 1))
-  order = mosaic.key_order(250)
-  assert sorted(order) == list(range(256))
-  ordered = np.asarray(fn(v_layout=order)["v"].astype(jnp.float32))
-  padded = np.pad(btnh, [(0, 0), (0, 6), (0, 0), (0, 0)])
-  np.testing.assert_array_equal(ordered, padded[:, order].transpose(0, 2, 3, 1))
