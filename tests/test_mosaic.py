@@ -28,12 +28,14 @@ VARIANTS = [  # measured max rel RMSE on these cases: 1.6e-5 (fp32, f16 out)
     ("fp8", {"granularity": "block", "block_k": 128}),
 ]
 # The outputs are float16: rounding the same float32 value gives rel ~1e-5;
-# the kernel equals the reference up to accumulation order otherwise.  fp8
-# rounds P (and Q, K) to e4m3, whose step is 1/16: an accumulation-order
-# difference that flips the rounding of one large P measured 1.4e-4 (1 seed
-# in 60; the others 2e-6 to 2.4e-5).
+# the kernel equals the reference up to accumulation order otherwise.  The
+# 8-bit P of fp8 (e4m3, step 1/16) and full INT8 (round(127 p)) can flip
+# where the accumulation order moves a score across a rounding boundary:
+# one flip of a large P measured 1.4e-4 (fp8, 1 seed in 60; the others 2e-6
+# to 2.4e-5) and 2.2e-4 (int8 seed 958592335, where the Mosaic and Triton
+# kernels agree exactly; 40 other seeds at most 6e-5).
 TOL = 1e-4
-TOL_FP8 = 5e-4
+TOL_8BIT_P = 5e-4
 
 
 def _rel(a, b):
@@ -56,7 +58,9 @@ def test_mosaic_interpreted_matches_reference(method, opts):
                                       **kw)
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert bool(jnp.isfinite(out).all())
-  tol = TOL_FP8 if method == "fp8" else TOL
+  eight_bit_p = method == "fp8" or (method == "int8"
+                                    and opts.get("pv_dtype") != "fp16")
+  tol = TOL_8BIT_P if eight_bit_p else TOL
   assert _rel(out, ref) < tol, (seed, _rel(out, ref))
 
 
