@@ -8,6 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+import jaxattn
 from jaxattn import fp8, int_flash, sage
 from pallas_kernels import prepare
 
@@ -71,3 +72,26 @@ def test_fp8_inputs_equal_reference(opts):
   cfg = fp8.Fp8Config(**opts)
   fast = jax.jit(lambda *a: prepare.fp8_inputs(*a, config=cfg))(q, k, v, lens)
   _assert_same(fast, fp8.fp8_quantize(q, k, v, lens, config=cfg))
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("sage", dict(preset="sage2-8b")), ("sage", dict(smooth_v=False)),
+    ("int8", dict()), ("int8", dict(v_granularity="block")),
+    ("fp8", dict()), ("fp8", dict(granularity="block", block_k=128))],
+    ids=str)
+def test_kernel_inputs_v_equals_reference_transposed(method, opts):
+  """The 8-bit V of the kernels' inputs, written transposed by the one-pass
+  Pallas kernel (prepare.v_operand), is the reference quantizer's V
+  transposed, bit for bit (key padding, a length that is not a multiple of
+  the kernel's 128-key tile)."""
+  q, k, v, lens = _inputs(11, s=250)
+  cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+  p = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1, config=cfg)
+  ref = {"sage": lambda: sage.sage_quantize(q, k, v, lens, scale=0.1,
+                                            config=cfg),
+         "int8": lambda: int_flash.int8_quantize(q, k, v, lens, config=cfg),
+         "fp8": lambda: fp8.fp8_quantize(q, k, v, lens, config=cfg)}[method]()
+  assert p["v"].shape == (2, 2, 64, 250)
+  np.testing.assert_array_equal(
+      np.asarray(p["v"].astype(jnp.float32)),
+      np.asarray(ref["v"].astype(jnp.float32)).transpose(0, 2, 3, 1))
