@@ -183,11 +183,13 @@ def kernel_alone(causal, d):
         run = functools.partial(mosaic.run, block_k=cfg.block_k)
 
       # int4 Q, K: packed for the Triton kernel, int8 containers for Mosaic
+      # (and Mosaic's 8-bit V in its register-operand key order)
       def setup(q, k, v, method=method, cfg=cfg, run=run,
-                pack_int4=impl == "pallas"):
+                pack_int4=impl == "pallas", key_order=impl == "mosaic"):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
         p = prepare.kernel_inputs(method, q, k, v, lens, scale=scale,
-                                  config=cfg, pack_int4=pack_int4)
+                                  config=cfg, pack_int4=pack_int4,
+                                  v_key_order=key_order)
         arrays = {n: x for n, x in p.items() if isinstance(x, jax.Array)}
         static = {n: x for n, x in p.items() if n not in arrays}
         fn = jax.jit(lambda arrays, lens: run(
@@ -197,7 +199,8 @@ def kernel_alone(causal, d):
       out[name + suffix] = setup
       if impl == "mosaic" and name in P_SMEM_VARIANTS:
         out[name + suffix + "_p_smem"] = functools.partial(
-            setup, run=functools.partial(run, p_via_smem=True))
+            setup, run=functools.partial(run, p_via_smem=True),
+            key_order=False)
   return out
 
 

@@ -88,12 +88,24 @@ KEY_PERMUTATION = np.array([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
                             15])
 
 
+def key_order(n):
+  """Key indices of ``n`` keys (a multiple of 16) in the register-operand
+  P's order: ``16c + KEY_PERMUTATION[i]`` at position ``16c + i``."""
+  return (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
+
+
 def permute_keys(v, axis):
-  """Orders the keys of ``v`` (a multiple of 16 along ``axis``) as the
-  register-operand P has them: ``v'[16c + i] = v[16c + KEY_PERMUTATION[i]]``."""
-  n = v.shape[axis]
-  idx = (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
-  return jnp.take(v, jnp.asarray(idx), axis=axis)
+  """Orders the keys of ``v`` (a multiple of 16 along ``axis``) by
+  :func:`key_order` (the quantizers write V so directly:
+  ``prepare.kernel_inputs(..., v_key_order=True)``)."""
+  return jnp.take(v, jnp.asarray(key_order(v.shape[axis])), axis=axis)
+
+
+def p_in_registers(p_via_smem=False):
+  """Whether 8-bit P feeds the PV wgmma from registers (on the GPU; the
+  interpreter reads P from shared memory), so V's keys must be in
+  :func:`key_order`."""
+  return interpret() is None and not p_via_smem
 
 
 def _as_8bit_operand(p):
@@ -456,7 +468,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
                      out_shift=None, pasa_inva=None, p_via_smem=False,
-                     out_dtype=jnp.float16):
+                     v_keys_ordered=False, out_dtype=jnp.float16):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -476,6 +488,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``, float16 only).
     p_via_smem: 8-bit P through a shared-memory tile instead of registers
       (the previous design, kept to measure the difference).
+    v_keys_ordered: the 8-bit V's keys are already in :func:`key_order`
+      (the quantizer wrote them so); otherwise they are permuted here when P
+      comes from registers.
   Returns: ``[B, T, N, D]`` in ``out_dtype``.
   """
   b, t, n, d = q.shape
@@ -492,12 +507,15 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   # P feeds the PV wgmma from registers on the GPU (8-bit P with V's keys
   # permuted, see _as_8bit_operand); in the interpreter (and with
   # p_via_smem) it goes through shared memory.
-  p_in_smem = interp is not None or p_via_smem
+  p_in_smem = not p_in_registers(p_via_smem)
+  if v_keys_ordered and (p_in_smem or pv == "fp16"):
+    raise ValueError("V's keys are in the register-operand order, but P "
+                     "goes through shared memory (or is 16-bit)")
   if pv == "fp16":
     v = pad(v, 1, s_pad)
   else:
     v = pad(v, 3, s_pad)
-    v = v if p_in_smem else permute_keys(v, axis=3)
+    v = v if p_in_smem or v_keys_ordered else permute_keys(v, axis=3)
   args = [q, k, v, kv_lens.astype(jnp.int32)]
   has_qk_scales = qk != "fp16"
   if has_qk_scales:
@@ -578,7 +596,8 @@ def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
       q_scale=p["q_scale"], k_scale=p["k_scale"],
       q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
       v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
-      out_shift=p["out_shift"], p_via_smem=p_via_smem, out_dtype=out_dtype)
+      out_shift=p["out_shift"], p_via_smem=p_via_smem,
+      v_keys_ordered=p["v_keys_ordered"], out_dtype=out_dtype)
 
 
 def _out_dtype(q):
@@ -616,7 +635,8 @@ def _quantized_method(name):
   def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
     del bias, mask
     p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
-                              config=config, pack_int4=False)
+                              config=config, pack_int4=False,
+                              v_key_order=p_in_registers())
     return run(p, kv_lens, is_causal=is_causal, block_k=config.block_k,
                out_dtype=_out_dtype(q))
   attention.__name__ = f"{name}_attention"

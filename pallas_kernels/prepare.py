@@ -45,9 +45,12 @@ _MAGIC = 12582912.0  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to even
 
 
 def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
-              block_s):
+              block_s, key_order):
   """One ``[block_s, D]`` tile of V: ``y = (where(visible, v, 0) - shift) *
-  inv_c * inv_r``, quantized and stored transposed ``[D, block_s]``."""
+  inv_c * inv_r``, quantized and stored transposed ``[D, block_s]``; with
+  ``key_order`` the keys of each 16-key chunk in the Mosaic kernel's
+  register-operand order (key ``8h + 2t + l`` to position ``4t + 2h + l``,
+  :data:`pallas_kernels.mosaic.KEY_PERMUTATION`)."""
   j = pl.program_id(2)
   rows = j * block_s + jnp.arange(block_s)
   visible = (rows < len_ref[0])[:, None]
@@ -58,11 +61,15 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
     y = jnp.clip((y + _MAGIC) - _MAGIC, -127.0, 127.0)
   else:                         # float8_e4m3fn
     y = jnp.clip(y, -quant.FP8_MAX, quant.FP8_MAX)
+  if key_order:
+    d = y.shape[1]
+    y = y.reshape(block_s // 16, 2, 4, 2, d).transpose(0, 2, 1, 3, 4)
+    y = y.reshape(block_s, d)
   o_ref[...] = y.T.astype(o_ref.dtype)
 
 
 def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
-              block_s=128):
+              key_order=False, block_s=128):
   """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
   D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
   127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
@@ -70,14 +77,17 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
   quantizers' V values bit for bit (one of the two factors is 1).
   ``shift``, ``inv_channel``: float32 ``[B, K, D]``; ``inv_row``: ``[B, K,
   S]``.  XLA's transpose of the 8-bit result cost 0.2-0.47 ms at
-  2x32x8192x128 (run20): this reads V once and writes its 8-bit copy."""
+  2x32x8192x128 (run20): this reads V once and writes its 8-bit copy.
+  ``key_order``: the keys in the Mosaic kernel's register-operand order
+  (:func:`pallas_kernels.mosaic.key_order`), ``S`` padded to a multiple of
+  16."""
   b, s, nk, d = v.shape
   s_pad = common.round_up(s, block_s)
   v = common.pad_axis(v, 1, s_pad)
   inv_row = common.pad_axis(inv_row.astype(jnp.float32), 2, s_pad)
   chan = pl.BlockSpec((None, None, d), lambda bi, h, j: (bi, h, 0))
   out = pl.pallas_call(
-      functools.partial(_v_kernel, block_s=block_s),
+      functools.partial(_v_kernel, block_s=block_s, key_order=key_order),
       grid=(b, nk, s_pad // block_s),
       in_specs=[pl.BlockSpec((None, block_s, None, d),
                              lambda bi, h, j: (bi, j, h, 0)),
@@ -91,7 +101,7 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
       interpret=common.interpret(), name="jaxattn_v_operand",
   )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
     shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
-  return out[..., :s]
+  return out[..., :common.round_up(s, 16) if key_order else s]
 
 
 def _channels(x, shape):
@@ -249,7 +259,8 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
 
 
 def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
-                  config, pack_int4: bool = True) -> dict:
+                  config, pack_int4: bool = True,
+                  v_key_order: bool = False) -> dict:
   """Quantized inputs of ``method`` ("sage", "int8" or "fp8").
 
   Returns a dict: ``q8`` ``[B, T, N, D]`` and ``k8`` ``[B, S, K, D]`` (int8,
@@ -264,6 +275,8 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   ``qk="int8"``), and the optional (None when unused)
   ``q_block_bias`` ``[B, N, nqb, S]`` with ``bias_rows``, ``v_block_scale``
   ``[B, K, nb]``, ``out_scale`` and ``out_shift`` ``[B, K, D]``.
+  ``v_key_order``: an 8-bit V's keys in the Mosaic kernel's register-operand
+  order (``v_keys_ordered`` then says True; see :func:`v_operand`).
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
@@ -276,13 +289,14 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
         v, kv_lens, dtype=dtype,
         shift=jnp.zeros(kv_shape, jnp.float32) if shift is None else shift,
         inv_channel=ones(*kv_shape) if inv_channel is None else inv_channel,
-        inv_row=ones(b, nk, s_len) if inv_row is None else inv_row)
+        inv_row=ones(b, nk, s_len) if inv_row is None else inv_row,
+        key_order=v_key_order)
 
   def per_row(per_group, group):  # [B, G, K] -> one per key [B, K, S]
     return _expand(per_group, group, s_len).transpose(0, 2, 1)
 
   out = dict(qk="int8", q_block_bias=None, bias_rows=None, v_block_scale=None,
-             out_scale=None, out_shift=None)
+             out_scale=None, out_shift=None, v_keys_ordered=False)
   if method == "sage":
     z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config)
     fp8 = config.pv_dtype == "fp8"
@@ -336,4 +350,5 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
                out_shift=jnp.zeros(kv_shape, jnp.float32))
   else:
     raise ValueError(f"no quantized kernel inputs for method {method!r}")
+  out["v_keys_ordered"] = v_key_order and out["pv"] != "fp16"
   return out

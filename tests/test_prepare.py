@@ -95,3 +95,20 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
   np.testing.assert_array_equal(
       np.asarray(p["v"].astype(jnp.float32)),
       np.asarray(ref["v"].astype(jnp.float32)).transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("method", ["sage", "int8", "fp8"])
+def test_v_in_mosaic_key_order(method):
+  """With ``v_key_order`` the V kernel stores each 16-key chunk in the
+  Mosaic kernel's register-operand order (S padded to 16)."""
+  from pallas_kernels import mosaic
+  q, k, v, lens = _inputs(12, s=250)
+  cfg = jaxattn.base.get_method(method).config_cls.from_options()
+  plain = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1, config=cfg)
+  ordered = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1,
+                                  config=cfg, v_key_order=True)
+  assert ordered["v_keys_ordered"] and not plain["v_keys_ordered"]
+  padded = np.pad(np.asarray(plain["v"].astype(jnp.float32)),
+                  [(0, 0), (0, 0), (0, 0), (0, 6)])
+  np.testing.assert_array_equal(np.asarray(ordered["v"].astype(jnp.float32)),
+                                padded[..., mosaic.key_order(256)])
