@@ -53,12 +53,12 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import mosaic_gpu as plgpu
 from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
-import numpy as np
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from jaxattn import base, quant
 from jaxattn import pasa as pasa_ref

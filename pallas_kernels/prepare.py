@@ -2,13 +2,15 @@
 Triton kernel of :mod:`pallas_kernels.quantized` and the Hopper kernel of
 :mod:`pallas_kernels.mosaic`) and by the benchmark's kernel-alone timings.
 
-:func:`kernel_inputs` runs the method's jitted quantizer (the reference's
-own, so both kernels see bit-identical quantized values) and lays its output
-out the way the kernels take it: per-row query scales with
-``scale * log2 e`` folded in (the softmax runs in base 2), per-key K scales,
-an 8-bit V transposed once to ``[B, K, D, S]`` (the key dimension contiguous,
-as the 8-bit tensor-core PV operand wants), and the per-channel epilogue
-``O / l * out_scale + out_shift``.  SageAttention2's int4 Q and K go to the
+:func:`kernel_inputs` quantizes with the references' arithmetic written on
+the BTNH arrays (:func:`sage_inputs`, :func:`int8_inputs`,
+:func:`fp8_inputs`: the references' values bit for bit, so both kernels see
+the same quantized inputs) and lays the result out the way the kernels take
+it: per-row query scales with ``scale * log2 e`` folded in (the softmax runs
+in base 2), per-key K scales, an 8-bit V written once by a Pallas kernel
+transposed to ``[B, K, D, S]`` (:func:`v_operand`: the key dimension
+contiguous, as the 8-bit tensor-core PV operand wants), and the per-channel
+epilogue ``O / l * out_scale + out_shift``.  SageAttention2's int4 Q and K go to the
 Triton kernel packed two per byte (:func:`jaxattn.quant.pack_int4_halves`:
 half the bytes moved and held; the H100 has no int4 tensor cores, the kernel
 unpacks to int8 in registers); ``pack_int4=False`` keeps them in int8
@@ -16,22 +18,20 @@ containers (the Mosaic kernel's int8 path).
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
-import functools
-
 import jax.numpy as jnp
 import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import common
-
 from jaxattn import fp8 as fp8_ref
 from jaxattn import int_flash as int8_ref
 from jaxattn import quant
 from jaxattn import sage as sage_ref
+from pallas_kernels import common
 
 LOG2E = math.log2(math.e)
 
@@ -154,8 +154,10 @@ def _valid_keys(k, kv_lens):
   return (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
 
 
-def int8_inputs(q, k, v, kv_lens, *, config) -> dict:
-  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries)."""
+def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
+  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries;
+  ``v_values=False`` leaves out the int8 V, keeping its scale: the kernels
+  take V from :func:`v_operand`)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
   q8, q_scale = int8_ref._per_token(q)
@@ -164,38 +166,44 @@ def int8_inputs(q, k, v, kv_lens, *, config) -> dict:
   vf = jnp.where(valid, v.astype(f32), 0.0)
   if config.pv_dtype == "fp16":
     out["v"] = vf.astype(jnp.float16)
-  elif config.v_granularity == "tensor":
-    sv = jnp.abs(vf).max(axis=(1, 3)) * int8_ref.RCP_R      # [B, K]
-    out.update(v=int8_ref._quantize(vf, sv[:, None, :, None]), v_scale=sv)
-  else:
-    sv = _group_amax(vf, config.block_k) * int8_ref.RCP_R   # [B, nb, K]
-    rows = _expand(sv, config.block_k, vf.shape[1])
-    out.update(v=int8_ref._quantize(vf, rows[..., None]), v_scale=sv)
+    return out
+  if config.v_granularity == "tensor":
+    out["v_scale"] = jnp.abs(vf).max(axis=(1, 3)) * int8_ref.RCP_R  # [B, K]
+    rows = out["v_scale"][:, None, :, None]
+  else:                                                     # [B, nb, K]
+    out["v_scale"] = _group_amax(vf, config.block_k) * int8_ref.RCP_R
+    rows = _expand(out["v_scale"], config.block_k, vf.shape[1])[..., None]
+  if v_values:
+    out["v"] = int8_ref._quantize(vf, rows)
   return out
 
 
-def fp8_inputs(q, k, v, kv_lens, *, config) -> dict:
-  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries)."""
+def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
+  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries;
+  ``v_values=False`` leaves out the fp8 V, keeping its scale)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
   block = config.granularity == "block"
 
-  def quantize(x, group):
+  def quantize(x, group, values=True):
     if not block:
       sc = jnp.abs(x).max(axis=(1, 3)) * fp8_ref.RCP_FP8_MAX   # [B, H]
-      return quant.quantize_fp8(
-          x, quant.reciprocal(sc)[:, None, :, None]), sc
-    sc = _group_amax(x, group) * fp8_ref.RCP_FP8_MAX           # [B, G, H]
-    rows = _expand(sc, group, x.shape[1])
-    return quant.quantize_fp8(x, quant.reciprocal(rows)[..., None]), sc
+      inv = quant.reciprocal(sc)[:, None, :, None]
+    else:
+      sc = _group_amax(x, group) * fp8_ref.RCP_FP8_MAX         # [B, G, H]
+      inv = quant.reciprocal(_expand(sc, group, x.shape[1]))[..., None]
+    return (quant.quantize_fp8(x, inv) if values else None), sc
 
   q8, sq = quantize(q.astype(f32), config.block_q)
   k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
-  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k)
-  return dict(q=q8, q_scale=sq, k=k8, k_scale=sk, v=v8, v_scale=sv)
+  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k,
+                    v_values)
+  out = dict(q=q8, q_scale=sq, k=k8, k_scale=sk, v_scale=sv)
+  return {**out, "v": v8} if v_values else out
 
 
-def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
+def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
+                v_values: bool = True) -> dict:
   """SageAttention2's pre-processing written on the BTNH arrays directly:
   the same quantized values and scales as :func:`jaxattn.sage.sage_quantize`
   (the reference, per head through ``vmap``), in fewer passes and without
@@ -205,7 +213,8 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
   ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``v``
   (float8_e4m3fn or float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
   ``v_mean`` ``[B, K, D]``, and ``smooth_bias`` ``[B, N, nqb, S]`` (base e,
-  ``q_m K_smoothed^T``) when ``smooth_q``.
+  ``q_m K_smoothed^T``) when ``smooth_q``.  ``v_values=False`` leaves out
+  the fp8 V, keeping its scale and mean.
   """
   f32 = jnp.float32
   b, t, n, d = q.shape
@@ -231,7 +240,8 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config) -> dict:
   vs, out["v_mean"] = smoothed(v, config.smooth_v)
   if config.pv_dtype == "fp8":
     v_scale = sage_ref._rounded(jnp.abs(vs).max(axis=1) * sage_ref.RCP_FP8_MAX)
-    out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[:, None])
+    if v_values:
+      out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[:, None])
     out["v_scale"] = v_scale
   else:
     out["v"] = vs.astype(jnp.float16)
@@ -298,7 +308,8 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   out = dict(qk="int8", q_block_bias=None, bias_rows=None, v_block_scale=None,
              out_scale=None, out_shift=None, v_keys_ordered=False)
   if method == "sage":
-    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config)
+    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
+                    v_values=False)
     fp8 = config.pv_dtype == "fp8"
     q8, k8 = z["q"], z["k"]
     if config.qk_dtype == "int4" and pack_int4:
@@ -315,24 +326,20 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
       out["q_block_bias"] = z["smooth_bias"] * sage_ref.log2_scale(scale)
       out["bias_rows"] = config.block_q
   elif method == "int8":
-    z = int8_inputs(q, k, v, kv_lens, config=config)
-    full = config.pv_dtype == "int8"
+    z = int8_inputs(q, k, v, kv_lens, config=config, v_values=False)
     out.update(q8=z["q"], q_scale=z["q_scale"] * (scale * LOG2E), k8=z["k"],
-               k_scale=z["k_scale"], pv=config.pv_dtype,
-               v=z["v"])
-    if full and config.v_granularity == "block":
+               k_scale=z["k_scale"], pv=config.pv_dtype, v=z.get("v"))
+    if config.pv_dtype == "int8" and config.v_granularity == "block":
       out["v"] = v8(jnp.int8, inv_row=per_row(
           quant.reciprocal(z["v_scale"]), config.block_k))
-    elif full:
+      out["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
+    elif config.pv_dtype == "int8":
       out["v"] = v8(jnp.int8, inv_channel=_channels(
           quant.reciprocal(z["v_scale"]), kv_shape))
-    if full and config.v_granularity == "block":
-      out["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
-    elif full:
       out["out_scale"] = _channels(z["v_scale"], kv_shape)
       out["out_shift"] = jnp.zeros(kv_shape, jnp.float32)
   elif method == "fp8":
-    z = fp8_inputs(q, k, v, kv_lens, config=config)
+    z = fp8_inputs(q, k, v, kv_lens, config=config, v_values=False)
     inv_v = quant.reciprocal(z["v_scale"])
     if config.granularity == "block":  # scales [B, groups, heads]
       out["v"] = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
