@@ -13,6 +13,7 @@ kernels can be checked against them bit for bit.
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -103,11 +104,57 @@ def unpack_int4_halves(packed):
   return jnp.concatenate(int4_halves(packed.astype(jnp.int8)), axis=-1)
 
 
+def _fields(x):
+  """``(biased exponent, 24-bit integer mantissa)`` of normal float32 ``x``:
+  ``|x| = m 2^(e - 150)``."""
+  bits = jax.lax.bitcast_convert_type(x, jnp.int32)
+  return (bits >> 23) & 0xFF, (bits & 0x7FFFFF) | 0x800000
+
+
+def _above_next_midpoint(s, u):
+  """``1 / s > (u + next(u)) / 2`` for positive normal float32 ``s``, ``u``
+  near ``1 / s``, decided exactly in int32 arithmetic: with ``s = ms 2^es``
+  and ``u = mu 2^eu`` the midpoint is ``(2 mu + 1) 2^(eu - 1)``, so the test
+  is ``ms (2 mu + 1) < 2^(1 - es - eu)``, a 49-bit product compared through
+  12-bit limbs."""
+  es, ms = _fields(s)
+  eu, mu = _fields(u)
+  e = 301 - es - eu                      # 1 - (es - 150) - (eu - 150)
+  b = 2 * mu + 1
+  a1, a0, b1, b0 = ms >> 12, ms & 0xFFF, b >> 12, b & 0xFFF
+  mid = a1 * b0 + a0 * b1                # < 2^26
+  carry = (((mid & 0xFFF) << 12) + a0 * b0) >> 24
+  top = a1 * b1 + (mid >> 12) + carry    # floor(ms * b / 2^24)
+  shift = jnp.clip(e - 24, 0, 30)
+  return top < (jnp.int32(1) << shift)
+
+
 def reciprocal(scale):
-  """``fl(1 / scale)`` in float32 (an IEEE division), with ``1 / 0 := 0``."""
+  """``fl(1 / scale)`` in float32, correctly rounded, with ``1 / 0 := 0``.
+
+  XLA's float32 division on the GPU is not correctly rounded (run33: 14% of
+  ``1 / s`` one ulp off on an H100), which flipped quantized values against
+  the Pallas kernels' ``div.rn``; the quotient is therefore corrected by up
+  to two ulps with an exact integer midpoint test
+  (:func:`_above_next_midpoint`), the same value on every backend (a no-op
+  where the division already rounds correctly).  Subnormal or infinite
+  scales keep the division's value."""
   scale = jnp.asarray(scale, jnp.float32)
   safe = jnp.where(scale == 0, jnp.ones_like(scale), scale)
-  return jnp.where(scale == 0, jnp.zeros_like(scale), 1.0 / safe)
+  r = 1.0 / safe
+  mag, rmag = jnp.abs(safe), jnp.abs(r)
+  tiny = jnp.finfo(jnp.float32).tiny
+  normal = ((mag >= tiny) & jnp.isfinite(mag) & (rmag >= tiny)
+            & jnp.isfinite(rmag))
+  ok_s = jnp.where(normal, mag, 1.0)
+  u = jnp.where(normal, rmag, 1.0)
+  for _ in range(2):
+    up = jnp.nextafter(u, jnp.float32(jnp.inf))
+    down = jnp.nextafter(u, jnp.float32(0))
+    u = jnp.where(_above_next_midpoint(ok_s, u), up,
+                  jnp.where(_above_next_midpoint(ok_s, down), u, down))
+  r = jnp.where(normal, jnp.where(safe < 0, -u, u), r)
+  return jnp.where(scale == 0, jnp.zeros_like(scale), r)
 
 
 def quantize_int(x, inv_scale, bits: int = 8):

@@ -7,6 +7,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental.pallas import triton as pl_triton
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21,6 +22,36 @@ class KernelParams:
 def interpret() -> bool:
   """Pallas interpret mode when jax has no GPU (how CI runs the kernels)."""
   return jax.devices()[0].platform != "gpu"
+
+
+def round_half_even(y):
+  """``rint(y)`` (ties to even, as ``jnp.round``) of float32 ``y`` inside a
+  Pallas Triton kernel.  On the GPU one ``cvt.rni.f32.f32``: an opaque
+  instruction, so LLVM cannot contract the product that made ``y`` into a
+  fused multiply-add (which would round ``x * inv`` once instead of twice
+  and flip the rare quantized value that the references round
+  differently)."""
+  if interpret():
+    return jnp.round(y)
+  return pl_triton.elementwise_inline_asm(
+      "cvt.rni.f32.f32 $0, $1;", args=[y], constraints="=f,f", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(y.shape, jnp.float32)])[0]
+
+
+def reciprocal_rn(x):
+  """``fl(1 / x)`` correctly rounded (``jaxattn.quant.reciprocal``, with ``1
+  / 0 := 0``) of float32 ``x`` inside a Pallas Triton kernel: Triton's
+  float32 division is ``div.full.f32`` (2 ulp), so on the GPU this is an
+  explicit ``div.rn.f32``."""
+  safe = jnp.where(x == 0, 1.0, x)
+  if interpret():
+    r = 1.0 / safe
+  else:
+    r = pl_triton.elementwise_inline_asm(
+        "div.rn.f32 $0, 0f3F800000, $1;", args=[safe], constraints="=f,f",
+        pack=1,
+        result_shape_dtypes=[jax.ShapeDtypeStruct(x.shape, jnp.float32)])[0]
+  return jnp.where(x == 0, 0.0, r)
 
 
 def pad_axis(x, axis: int, size: int):

@@ -41,9 +41,6 @@ def kv_heads_last(x):
   return x.transpose(0, 2, 3, 1)
 
 
-_MAGIC = 12582912.0  # 1.5 * 2^23: (y + M) - M rounds |y| < 2^22 to even
-
-
 def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
               block_s, key_order):
   """One ``[block_s, D]`` tile of V: ``y = (where(visible, v, 0) - shift) *
@@ -57,8 +54,8 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
   x = jnp.where(visible, v_ref[...].astype(jnp.float32), 0.0)
   y = jnp.where(visible, x - shift_ref[...][None, :], 0.0)
   y = y * inv_c_ref[...][None, :] * inv_r_ref[...][:, None]
-  if o_ref.dtype == jnp.int8:   # round half to even, as jnp.round
-    y = jnp.clip((y + _MAGIC) - _MAGIC, -127.0, 127.0)
+  if o_ref.dtype == jnp.int8:
+    y = jnp.clip(common.round_half_even(y), -127.0, 127.0)
   else:                         # float8_e4m3fn
     y = jnp.clip(y, -quant.FP8_MAX, quant.FP8_MAX)
   if key_order:
@@ -74,17 +71,23 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
   D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
   127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
   * inv_channel * inv_row`` for keys below ``kv_lens`` and 0 beyond: the
-  quantizers' V values bit for bit (one of the two factors is 1).
+  quantizers' V values bit for bit (one of the two factors is 1; the
+  rounding is :func:`common.round_half_even`, which no fused multiply-add
+  can absorb).
   ``shift``, ``inv_channel``: float32 ``[B, K, D]``; ``inv_row``: ``[B, K,
   S]``.  XLA's transpose of the 8-bit result cost 0.2-0.47 ms at
   2x32x8192x128 (run20): this reads V once and writes its 8-bit copy.
   ``key_order``: the keys in the Mosaic kernel's register-operand order
   (:func:`pallas_kernels.mosaic.key_order`), ``S`` padded to a multiple of
   16."""
-  b, s, nk, d = v.shape
+  b, s, nk, v_dim = v.shape
   s_pad = common.round_up(s, block_s)
-  v = common.pad_axis(v, 1, s_pad)
+  d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
+  v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)  # an edge
   inv_row = common.pad_axis(inv_row.astype(jnp.float32), 2, s_pad)
+  shift, inv_channel = (common.pad_axis(x.astype(jnp.float32), 2, d_pad)
+                        for x in (shift, inv_channel))
+  d = d_pad
   chan = pl.BlockSpec((None, None, d), lambda bi, h, j: (bi, h, 0))
   out = pl.pallas_call(
       functools.partial(_v_kernel, block_s=block_s, key_order=key_order),
@@ -101,7 +104,135 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
       interpret=common.interpret(), name="jaxattn_v_operand",
   )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
     shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
-  return out[..., :common.round_up(s, 16) if key_order else s]
+  return out[:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
+
+
+def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk):
+  """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
+  group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
+  ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
+  ``fl(clip(., -448, 448))``); with ``bias_chunk`` also ``q_m y^T`` in
+  float32 (SageAttention2's ``dS = q_m K_smoothed^T``) for every query
+  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time."""
+  refs = list(refs)
+  shift_ref = refs.pop(0) if shift else None
+  qm_ref = refs.pop(0) if bias_chunk else None
+  o_ref, scale_ref, *bias_ref = refs
+  block = x_ref.shape[0]
+  rows = pl.program_id(1) * block + jnp.arange(block)
+  keep = (rows < len_ref[0])[:, None]
+  y = jnp.where(keep, x_ref[...].astype(jnp.float32), 0.0)
+  if shift:
+    y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
+  amax = jnp.abs(y).max(axis=1)
+  if group > 1:
+    per_group = amax.reshape(block // group, group).max(axis=1)
+    amax = jnp.broadcast_to(per_group[:, None],
+                            (block // group, group)).reshape(block)
+  scale = amax * np.float32(1.0 / qmax)
+  z = y * common.reciprocal_rn(scale)[:, None]
+  if o_ref.dtype == jnp.int8:
+    z = jnp.clip(common.round_half_even(z), -qmax, qmax)
+  else:
+    z = jnp.clip(z, -quant.FP8_MAX, quant.FP8_MAX)
+  o_ref[...] = z.astype(o_ref.dtype)
+  scale_ref[...] = scale
+  if bias_chunk:
+    # Three TF32 tensor-core products (hi*hi + hi*lo + lo*hi): float32
+    # accuracy; Triton's IEEE float32 dot runs on the FMA units at a few
+    # percent of their peak (11.4 ms for this kernel at 2x32x8192x128, run26).
+    precision = (jax.lax.Precision.HIGHEST if common.interpret()
+                 else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+
+    def chunk(c, carry):
+      at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
+      bias_ref[0][at, :] = jax.lax.dot_general(
+          qm_ref[at, :], y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+          precision=precision)
+      return carry
+    jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, chunk, 0)
+
+
+def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
+                 bias_q_mean=None, block: int = 128,
+                 num_warps: int | None = None, bias_chunk: int | None = None):
+  """Q or K quantized per group of rows in one pass (a Pallas kernel).
+
+  ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
+  are zeros: the key padding, or ``L`` for queries); ``group`` rows per
+  scale, a power of two dividing ``block`` (1: per token); ``dtype`` int8
+  (``qmax = 2^(bits-1) - 1``) or float8_e4m3fn (``qmax = 448``); ``shift``
+  float32 ``[B, 1, H, D]`` (the key mean) or ``[B, L / block, H, D]`` (one
+  per tile: the query-block means, ``block = block_q``), subtracted before
+  the scales.  The values and scales of the references' quantizers bit for
+  bit (``jaxattn.quant.quantize_int`` / ``quantize_fp8`` of ``fl(amax *
+  fl(1/qmax))``; exact rounding on the GPU through
+  :func:`common.round_half_even` and :func:`common.reciprocal_rn`).
+
+  ``bias_q_mean`` float32 ``[B, H, R, D]`` (SageAttention2's query-block
+  means, ``R`` rows per key head): also returns ``bias`` ``[B, H, R, L]`` =
+  ``q_m y^T`` in float32 (accumulation order aside, the reference's
+  ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
+  never reach memory.
+
+  ``num_warps`` (default 4, 8 with the bias) and ``bias_chunk`` (query-mean
+  rows per bias product, 16 to 64; default the largest that divides) are
+  the kernel's knobs: run28 at 2x32x8192x128 timed the key pass with the
+  bias at 0.52 / 0.41 ms (4 / 8 warps, 64 rows), 0.63-0.95 ms with 16 or
+  32 rows, against 0.10 ms without the bias.  Returns ``(x8 [B, L, H, D], scale [B, L,
+  H] float32 per row, bias or None)``.
+  """
+  b, n_rows, h, d = x.shape
+  d_block = pl.next_power_of_2(d)
+  # Rows padded to whole tiles and D to a power of two (copies only then):
+  # the Triton lowering does not mask the stores of a tile past the end of
+  # an axis (run27: a partial last tile wrote over the next batch's first
+  # rows), so no tile may cross one.
+  rows_pad = common.round_up(n_rows, block)
+  x = common.pad_axis(common.pad_axis(x, 1, rows_pad), 3, d_block)
+  grid = (b, rows_pad // block, h)
+  qmax = quant.FP8_MAX if dtype == jnp.float8_e4m3fn else quant.qmax(bits)
+  in_specs = [pl.BlockSpec((None, block, None, d_block),
+                           lambda bi, j, hi: (bi, j, hi, 0)),
+              pl.BlockSpec((None, 1), lambda bi, j, hi: (bi, 0))]
+  args = [x, jnp.minimum(jnp.asarray(lens, jnp.int32), n_rows).reshape(b, 1)]
+  if shift is not None:
+    per_tile = shift.shape[1] > 1
+    in_specs.append(pl.BlockSpec(
+        (None, None, None, d_block),
+        lambda bi, j, hi: (bi, j if per_tile else 0, hi, 0)))
+    args.append(common.pad_axis(shift.astype(jnp.float32), 3, d_block))
+  out_specs = [pl.BlockSpec((None, block, None, d_block),
+                            lambda bi, j, hi: (bi, j, hi, 0)),
+               pl.BlockSpec((None, block, None), lambda bi, j, hi: (bi, j, hi))]
+  out_shape = [jax.ShapeDtypeStruct(x.shape, dtype),
+               jax.ShapeDtypeStruct((b, rows_pad, h), jnp.float32)]
+  if bias_q_mean is None:
+    bias_chunk = 0
+  else:
+    r = bias_q_mean.shape[2]
+    r_pad = common.round_up(r, 16)
+    bias_chunk = bias_chunk or next(c for c in (64, 32, 16) if r_pad % c == 0)
+    r_pad = common.round_up(r_pad, bias_chunk)
+    in_specs.append(pl.BlockSpec((None, None, r_pad, d_block),
+                                 lambda bi, j, hi: (bi, hi, 0, 0)))
+    args.append(common.pad_axis(common.pad_axis(
+        bias_q_mean.astype(jnp.float32), 2, r_pad), 3, d_block))
+    out_specs.append(pl.BlockSpec((None, None, r_pad, block),
+                                  lambda bi, j, hi: (bi, hi, 0, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, r_pad, rows_pad),
+                                          jnp.float32))
+  outs = pl.pallas_call(
+      functools.partial(_rows_kernel, group=group, qmax=qmax,
+                        shift=shift is not None, bias_chunk=bias_chunk),
+      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=pl_triton.CompilerParams(
+          num_warps=num_warps or (8 if bias_chunk else 4), num_stages=2),
+      interpret=common.interpret(), name="jaxattn_rows_operand",
+  )(*args)
+  bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
+          else None)
+  return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias
 
 
 def _channels(x, shape):
@@ -154,15 +285,30 @@ def _valid_keys(k, kv_lens):
   return (jnp.arange(k.shape[1])[None, :] < kv_lens[:, None])[:, :, None, None]
 
 
-def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
+def _key_mean(x, kv_lens):
+  """SageAttention2's token mean ``fl(sum_s x * fl(1 / n))`` over the ``n =
+  min(kv_len, S)`` visible keys of ``x`` ``[B, S, K, D]``: ``[B, K, D]``
+  float32 (:func:`jaxattn.sage.quantize_kv_head`'s ``k_mean``)."""
+  s = x.shape[1]
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
+  visible = jnp.where(_valid_keys(x, kv_lens), x.astype(jnp.float32), 0.0)
+  return sage_ref._rounded(visible.sum(axis=1) * count[:, None, None])
+
+
+def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
+                qk_values: bool = True) -> dict:
   """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries;
   ``v_values=False`` leaves out the int8 V, keeping its scale: the kernels
-  take V from :func:`v_operand`)."""
+  take V from :func:`v_operand`; ``qk_values=False`` leaves out Q and K and
+  their scales: :func:`fused_qk` makes them)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
-  q8, q_scale = int8_ref._per_token(q)
-  k8, k_scale = int8_ref._per_token(jnp.where(valid, k.astype(f32), 0.0))
-  out = dict(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale)
+  out = {}
+  if qk_values:
+    q8, q_scale = int8_ref._per_token(q)
+    k8, k_scale = int8_ref._per_token(jnp.where(valid, k.astype(f32), 0.0))
+    out = dict(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale)
   vf = jnp.where(valid, v.astype(f32), 0.0)
   if config.pv_dtype == "fp16":
     out["v"] = vf.astype(jnp.float16)
@@ -178,9 +324,11 @@ def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
   return out
 
 
-def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
+def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
+               qk_values: bool = True) -> dict:
   """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries;
-  ``v_values=False`` leaves out the fp8 V, keeping its scale)."""
+  ``v_values=False`` leaves out the fp8 V, keeping its scale;
+  ``qk_values=False`` leaves out Q, K and their scales)."""
   f32 = jnp.float32
   valid = _valid_keys(k, kv_lens)
   block = config.granularity == "block"
@@ -194,11 +342,13 @@ def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True) -> dict:
       inv = quant.reciprocal(_expand(sc, group, x.shape[1]))[..., None]
     return (quant.quantize_fp8(x, inv) if values else None), sc
 
-  q8, sq = quantize(q.astype(f32), config.block_q)
-  k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
   v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k,
                     v_values)
-  out = dict(q=q8, q_scale=sq, k=k8, k_scale=sk, v_scale=sv)
+  out = dict(v_scale=sv)
+  if qk_values:
+    q8, sq = quantize(q.astype(f32), config.block_q)
+    k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
+    out.update(q=q8, q_scale=sq, k=k8, k_scale=sk)
   return {**out, "v": v8} if v_values else out
 
 
@@ -223,15 +373,12 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
   bits = config.bits
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
   valid = _valid_keys(k, kv_lens)
-  rcp_count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
-  rcp_count = rcp_count[:, None, None]
   out = {}
 
   def smoothed(x, smooth):
-    x = jnp.where(valid, x.astype(f32), 0.0)
-    mean = (sage_ref._rounded(x.sum(axis=1) * rcp_count) if smooth
+    mean = (_key_mean(x, kv_lens) if smooth
             else jnp.zeros((b, nk, x.shape[-1]), f32))   # [B, K, D]
-    return jnp.where(valid, x - mean[:, None], 0.0), mean
+    return jnp.where(valid, x.astype(f32) - mean[:, None], 0.0), mean
 
   ks, _ = smoothed(k, config.smooth_k)
   k_scale = _group_scales(ks, sage_ref._k_group(config, s), bits)
@@ -268,9 +415,107 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
   return out
 
 
+def _fits_rows_kernel(*groups) -> bool:
+  """:func:`rows_operand` takes groups of 1 to 128 rows (powers of two);
+  "tensor" scales (one amax over the whole sequence) stay with XLA."""
+  return all(g in (1, 2, 4, 8, 16, 32, 64, 128) for g in groups)
+
+
+def fused_qk(method: str, q, k, kv_lens, *, scale: float, config) -> dict | None:
+  """The 8-bit (or int4-valued) Q and K of ``method`` by :func:`rows_operand`:
+  each read once after its mean (SageAttention2's smoothing; XLA's reduction
+  pass), the SageAttention2 bias from the same key tiles.  The values and
+  scales of :func:`sage_inputs` / :func:`int8_inputs` / :func:`fp8_inputs`
+  bit for bit; ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2
+  e`` folded into ``q_m``) to float32 accumulation order.  None where a
+  granularity needs a whole-sequence amax ("tensor"): the XLA quantizers
+  then.
+
+  Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
+  ``[B, S, K]``, and for "sage" ``k_mean`` ``[B, K, D]`` and
+  ``q_block_bias`` ``[B, N, nqb, S]`` or None.
+  """
+  b, t, n, d = q.shape
+  s, nk = k.shape[1], k.shape[2]
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  q_lens = jnp.full((b,), t, jnp.int32)
+  if method == "int8":
+    q8, q_scale, _ = rows_operand(q, q_lens, group=1, dtype=jnp.int8)
+    k8, k_scale, _ = rows_operand(k, kv_lens, group=1, dtype=jnp.int8)
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+  if method == "fp8":
+    if config.granularity != "block" or not _fits_rows_kernel(
+        config.block_q, config.block_k):
+      return None
+    fp8 = jnp.float8_e4m3fn
+    q8, q_scale, _ = rows_operand(q, q_lens, group=config.block_q, dtype=fp8,
+                                  block=max(128, config.block_q))
+    k8, k_scale, _ = rows_operand(k, kv_lens, group=config.block_k, dtype=fp8,
+                                  block=max(128, config.block_k))
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+  if method != "sage":
+    raise ValueError(f"no quantized kernel inputs for method {method!r}")
+  bq = config.block_q
+  q_group = sage_ref._q_group(config, common.round_up(t, bq))
+  k_group = sage_ref._k_group(config, s)
+  if not _fits_rows_kernel(q_group, k_group, bq):
+    return None
+  f32 = jnp.float32
+  k_mean = _key_mean(k, kv_lens) if config.smooth_k else jnp.zeros(
+      (b, nk, d), f32)
+  q_mean = bias_q = None
+  if config.smooth_q:
+    nqb = -(-t // bq)
+    qf = jnp.pad(q.astype(f32), [(0, 0), (0, nqb * bq - t), (0, 0), (0, 0)])
+    counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
+    q_mean = sage_ref._rounded(
+        qf.reshape(b, nqb, bq, n, d).sum(axis=2)
+        * quant.reciprocal(counts)[None, :, None, None])   # [B, nqb, N, D]
+    g = n // nk                    # [B, K, g * nqb, D], the heads of a group
+    bias_q = (q_mean * sage_ref.log2_scale(scale)).reshape(
+        b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
+  bits = config.bits
+  q8, q_scale, _ = rows_operand(
+      q, q_lens, group=q_group, dtype=jnp.int8, bits=bits, shift=q_mean,
+      block=bq if config.smooth_q else max(128, q_group))
+  k8, k_scale, bias = rows_operand(
+      k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
+      shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,
+      block=max(128, k_group))
+  if bias is not None:                              # [B, N, nqb, S]
+    bias = bias.reshape(b, n, -1, s)
+  return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean,
+              q_block_bias=bias)
+
+
+def sage_v_stats(v, kv_lens, config) -> dict:
+  """SageAttention2's V statistics in one reduction pass: ``v_mean``
+  ``[B, K, D]`` (zeros without ``smooth_v``) and, for ``pv_dtype="fp8"``,
+  ``v_scale = fl(max_s |fl(v - v_mean)| * fl(1/448))`` per channel, the
+  same values as :func:`sage_inputs` from the channel's max and min
+  (``fl(. - m)`` is monotonic, so ``max |fl(v - m)| = max(fl(v_max - m),
+  fl(m - v_min))``) instead of a second pass over the smoothed V; with
+  ``pv_dtype="fp16"`` the smoothed float16 ``v``."""
+  f32 = jnp.float32
+  b, s, nk, d = v.shape
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  valid = _valid_keys(v, kv_lens)
+  vf = v.astype(f32)
+  mean = _key_mean(v, kv_lens) if config.smooth_v else jnp.zeros(
+      (b, nk, d), f32)
+  if config.pv_dtype != "fp8":
+    return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
+                .astype(jnp.float16))
+  hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
+  lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
+  amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
+  return dict(v_mean=mean,
+              v_scale=sage_ref._rounded(amax * sage_ref.RCP_FP8_MAX))
+
+
 def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
                   config, pack_int4: bool = True,
-                  v_key_order: bool = False) -> dict:
+                  v_key_order: bool = False, fuse_qk: bool = True) -> dict:
   """Quantized inputs of ``method`` ("sage", "int8" or "fp8").
 
   Returns a dict: ``q8`` ``[B, T, N, D]`` and ``k8`` ``[B, S, K, D]`` (int8,
@@ -287,6 +532,8 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
   ``[B, K, nb]``, ``out_scale`` and ``out_shift`` ``[B, K, D]``.
   ``v_key_order``: an 8-bit V's keys in the Mosaic kernel's register-operand
   order (``v_keys_ordered`` then says True; see :func:`v_operand`).
+  ``fuse_qk=False`` quantizes Q and K with the XLA quantizers instead of
+  :func:`fused_qk` (the same values; kept for measurement).
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
@@ -307,10 +554,20 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
 
   out = dict(qk="int8", q_block_bias=None, bias_rows=None, v_block_scale=None,
              out_scale=None, out_shift=None, v_keys_ordered=False)
+  fused = (fused_qk(method, q, k, kv_lens, scale=scale, config=config)
+           if fuse_qk else None)
   if method == "sage":
-    z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
-                    v_values=False)
     fp8 = config.pv_dtype == "fp8"
+    if fused is None:
+      z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
+                      v_values=False)
+      z["q_block_bias"] = (z["smooth_bias"] * sage_ref.log2_scale(scale)
+                           if config.smooth_q else None)
+    else:
+      z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
+               q_scale_folded=fused["q_scale"] * sage_ref.log2_scale(scale),
+               q_block_bias=fused["q_block_bias"],
+               **sage_v_stats(v, kv_lens, config))
     q8, k8 = z["q"], z["k"]
     if config.qk_dtype == "int4" and pack_int4:
       q8, k8, out["qk"] = _pack_int4(q8), _pack_int4(k8), "int4"
@@ -323,10 +580,14 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
                           else jnp.ones(kv_shape, jnp.float32)),
                out_shift=z["v_mean"])
     if config.smooth_q:
-      out["q_block_bias"] = z["smooth_bias"] * sage_ref.log2_scale(scale)
+      out["q_block_bias"] = z["q_block_bias"]
       out["bias_rows"] = config.block_q
   elif method == "int8":
-    z = int8_inputs(q, k, v, kv_lens, config=config, v_values=False)
+    z = int8_inputs(q, k, v, kv_lens, config=config, v_values=False,
+                    qk_values=fused is None)
+    if fused is not None:
+      z.update(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
+               k_scale=fused["k_scale"])
     out.update(q8=z["q"], q_scale=z["q_scale"] * (scale * LOG2E), k8=z["k"],
                k_scale=z["k_scale"], pv=config.pv_dtype, v=z.get("v"))
     if config.pv_dtype == "int8" and config.v_granularity == "block":
@@ -339,12 +600,17 @@ def kernel_inputs(method: str, q, k, v, kv_lens, *, scale: float,
       out["out_scale"] = _channels(z["v_scale"], kv_shape)
       out["out_shift"] = jnp.zeros(kv_shape, jnp.float32)
   elif method == "fp8":
-    z = fp8_inputs(q, k, v, kv_lens, config=config, v_values=False)
+    z = fp8_inputs(q, k, v, kv_lens, config=config, v_values=False,
+                   qk_values=fused is None)
     inv_v = quant.reciprocal(z["v_scale"])
     if config.granularity == "block":  # scales [B, groups, heads]
       out["v"] = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
-      q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
-      k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
+      if fused is None:
+        q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
+        k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
+      else:                           # already one per row
+        q_scale, k_scale = fused["q_scale"], fused["k_scale"]
+        z.update(q=fused["q8"], k=fused["k8"])
       out["v_block_scale"] = z["v_scale"].transpose(0, 2, 1)
       out["out_scale"] = jnp.full(kv_shape, 1.0 / quant.FP8_MAX, jnp.float32)
     else:                              # scales [B, heads]

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import fp8, int_flash, sage
+from jaxattn import fp8, int_flash, quant, sage
 from pallas_kernels import prepare
 
 
@@ -112,3 +112,109 @@ def test_v_in_mosaic_key_order(method):
                   [(0, 0), (0, 0), (0, 0), (0, 6)])
   np.testing.assert_array_equal(np.asarray(ordered["v"].astype(jnp.float32)),
                                 padded[..., mosaic.key_order(256)])
+
+
+@pytest.mark.parametrize("method,opts,shape", [
+    ("sage", dict(preset="sage2-8b"), dict()),
+    ("sage", dict(preset="sage2-4b"), dict(n=8, kh=2, t=200)),   # GQA 4
+    ("sage", dict(preset="sage1"), dict(d=96)),
+    ("sage", dict(qk_granularity="token", smooth_v=False), dict()),
+    ("sage", dict(block_k=128, block_q=64, warp_rows=16), dict(t=129)),
+    ("int8", dict(), dict(d=96)),
+    ("fp8", dict(granularity="block"), dict()),
+    ("fp8", dict(granularity="block", block_k=128, block_q=64), dict(s=77)),
+], ids=str)
+def test_fused_qk_equals_xla_quantizers(method, opts, shape):
+  """The one-pass Pallas quantizer of Q and K (prepare.rows_operand through
+  prepare.fused_qk) gives the XLA quantizers' values and scales bit for bit,
+  and the SageAttention2 bias to float32 accumulation order (key padding,
+  lengths that are not multiples of the 128-row tile, head dim 96)."""
+  q, k, v, lens = _inputs(len(str(opts)) + len(str(shape)), **shape)
+  cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+  fused = jax.jit(lambda *a: prepare.fused_qk(
+      method, *a, scale=0.125, config=cfg))(q, k, lens)
+  if method == "sage":
+    ref = prepare.sage_inputs(q, k, v, lens, scale=0.125, config=cfg)
+    ref_scale = ref["q_scale_folded"] / sage.log2_scale(0.125)
+  else:
+    quantizer = {"int8": prepare.int8_inputs, "fp8": prepare.fp8_inputs}
+    ref = quantizer[method](q, k, v, lens, config=cfg)
+    ref_scale = ref["q_scale"]
+    if method == "fp8":  # per group -> per row
+      ref_scale = jnp.repeat(ref_scale, cfg.block_q, axis=1)[:, :q.shape[1]]
+      ref["k_scale"] = jnp.repeat(ref["k_scale"], cfg.block_k,
+                                  axis=1)[:, :k.shape[1]]
+  got = {n: fused[n] for n in ("q8", "k8", "k_scale")}
+  want = dict(q8=ref["q"], k8=ref["k"], k_scale=ref["k_scale"])
+  _assert_same(got, want)
+  np.testing.assert_allclose(np.asarray(fused["q_scale"]),
+                             np.asarray(ref_scale), rtol=2e-7)
+  if method == "sage" and cfg.smooth_q:
+    np.testing.assert_allclose(
+        np.asarray(fused["q_block_bias"]),
+        np.asarray(ref["smooth_bias"] * sage.log2_scale(0.125)),
+        rtol=1e-5, atol=1e-6 * float(jnp.abs(ref["smooth_bias"]).max()))
+    assert fused["q_block_bias"].shape == ref["smooth_bias"].shape
+
+
+@pytest.mark.parametrize("opts", [dict(), dict(smooth_v=False),
+                                  dict(pv_dtype="fp16")], ids=str)
+def test_sage_v_stats_equal_two_pass(opts):
+  """V's mean and per-channel fp8 scale from one reduction pass (max and
+  min) equal the two-pass values of the smoothed V, bit for bit."""
+  q, k, v, lens = _inputs(21)
+  cfg = sage.SageConfig.from_options(**opts)
+  ref = prepare.sage_inputs(q, k, v, lens, scale=0.1, config=cfg)
+  got = jax.jit(lambda v, l: prepare.sage_v_stats(v, l, cfg))(v, lens)
+  want = {n: ref[n] for n in got}
+  _assert_same(got, want)
+
+
+def test_rows_operand_poisoned_tail_and_int4():
+  """Rows at and beyond the length are zeros whatever they held (NaN
+  here), int4-valued scales use qmax 7, and groups of 32 rows share one
+  scale."""
+  x = jax.random.normal(jax.random.key(3), (1, 200, 2, 64), jnp.float32)
+  x = x.at[:, 150:].set(jnp.nan)
+  x8, sc, _ = prepare.rows_operand(x, jnp.array([150]), group=32,
+                                   dtype=jnp.int8, bits=4)
+  x8, sc = np.asarray(x8), np.asarray(sc)
+  assert not np.isnan(sc).any() and (x8[:, 150:] == 0).all()
+  assert np.abs(x8).max() == 7
+  assert (sc[:, 160:] == 0).all() and (sc[:, 128:160] > 0).all()  # groups
+  assert len(np.unique(sc[0, :32, 0])) == 1 and sc[0, 0, 0] != sc[0, 32, 0]
+
+
+def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
+  """quant.reciprocal corrects the division by up to two ulps with an exact
+  integer midpoint test: XLA's float32 division on the GPU is not correctly
+  rounded (run33: 14% of 1/s one ulp off), the kernels' div.rn is.  Here the
+  guess is the exact quotient moved by -2..2 ulps, and the plain function
+  matches numpy's IEEE division, signs, zeros and powers of two included."""
+  rng = np.random.default_rng(0)
+  s = np.concatenate([
+      np.abs(rng.standard_normal(20000)).astype(np.float32) * 0.03 + 1e-3,
+      (2.0 ** rng.integers(-60, 60, 500)).astype(np.float32),
+      rng.uniform(1e-30, 1e30, 2000).astype(np.float32),
+      -np.abs(rng.standard_normal(200)).astype(np.float32),
+      np.array([0, 1, 3, 7, 127, 448, 1 / 448, 1 / 127], np.float32)])
+  s = s.astype(np.float32)
+  exact = np.where(s == 0, 0, np.float32(1) / np.where(s == 0, 1, s))
+  np.testing.assert_array_equal(np.asarray(jax.jit(quant.reciprocal)(s)),
+                                exact.astype(np.float32))
+
+  def correct(s, u):
+    for _ in range(2):
+      up = jnp.nextafter(u, jnp.float32(jnp.inf))
+      down = jnp.nextafter(u, jnp.float32(0))
+      u = jnp.where(quant._above_next_midpoint(s, u), up,
+                    jnp.where(quant._above_next_midpoint(s, down), u, down))
+    return u
+  pos = s[s > 0]
+  want = (np.float32(1) / pos).astype(np.float32)
+  for k in (-2, -1, 1, 2):
+    guess = want.copy()
+    for _ in range(abs(k)):
+      guess = np.nextafter(guess, np.float32(np.inf if k > 0 else 0))
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(correct)(pos, guess.astype(np.float32))), want)
