@@ -136,10 +136,14 @@ P_SMEM_VARIANTS = ("kernel_sage2-8b_bk128", "kernel_int8_full", "kernel_fp8")
 # The quantizers alone ("prep_" + the method's name): the kernels' BTNH
 # quantizer, and SageAttention's reference quantizer (per head through vmap)
 # that it replaces.
-PREP_VARIANTS = [
-    ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}),
-    ("prep_int8_full", "int8", {}),
-    ("prep_fp8", "fp8", {}),
+PREP_VARIANTS = [  # (name, method, options, kernel_inputs keywords)
+    ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}, {}),
+    ("prep_int8_full", "int8", {}, {}),
+    ("prep_fp8", "fp8", {}, {}),
+    # Q and K through XLA's quantizers instead of the one-pass Pallas kernel
+    ("prep_sage2-8b_xla_qk", "sage", {"preset": "sage2-8b"},
+     {"fuse_qk": False}),
+    ("prep_int8_full_xla_qk", "int8", {}, {"fuse_qk": False}),
 ]
 
 
@@ -149,13 +153,13 @@ def quantizers_alone(d):
   from pallas_kernels import prepare
   scale = 1.0 / math.sqrt(d)
   out = {}
-  for name, method, opts in PREP_VARIANTS:
+  for name, method, opts, kw in PREP_VARIANTS:
     cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
-    fns = {name: lambda q, k, v, lens, method=method, cfg=cfg: {
+    fns = {name: lambda q, k, v, lens, method=method, cfg=cfg, kw=kw: {
         n: x for n, x in prepare.kernel_inputs(
-            method, q, k, v, lens, scale=scale, config=cfg).items()
+            method, q, k, v, lens, scale=scale, config=cfg, **kw).items()
         if isinstance(x, jax.Array)}}
-    if method == "sage":
+    if name == "prep_sage2-8b":
       fns[name + "_reference"] = lambda q, k, v, lens, cfg=cfg: (
           sage.sage_quantize(q, k, v, lens, scale=scale, config=cfg))
     for n, fn in fns.items():
