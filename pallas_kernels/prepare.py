@@ -2,19 +2,23 @@
 Triton kernel of :mod:`pallas_kernels.quantized` and the Hopper kernel of
 :mod:`pallas_kernels.mosaic`) and by the benchmark's kernel-alone timings.
 
-:func:`kernel_inputs` quantizes with the references' arithmetic written on
-the BTNH arrays (:func:`sage_inputs`, :func:`int8_inputs`,
-:func:`fp8_inputs`: the references' values bit for bit, so both kernels see
-the same quantized inputs) and lays the result out the way the kernels take
-it: per-row query scales with ``scale * log2 e`` folded in (the softmax runs
-in base 2), per-key K scales, an 8-bit V written once by a Pallas kernel
-transposed to ``[B, K, D, S]`` (:func:`v_operand`: the key dimension
-contiguous, as the 8-bit tensor-core PV operand wants), and the per-channel
-epilogue ``O / l * out_scale + out_shift``.  SageAttention2's int4 Q and K go to the
-Triton kernel packed two per byte (:func:`jaxattn.quant.pack_int4_halves`:
-half the bytes moved and held; the H100 has no int4 tensor cores, the kernel
-unpacks to int8 in registers); ``pack_int4=False`` keeps them in int8
-containers (the Mosaic kernel's int8 path).
+:func:`kernel_inputs` quantizes with the references' arithmetic, bit for
+bit, and lays the result out the way the kernels take it.  Q and K go
+through one Pallas kernel (:func:`rows_operand`, by way of
+:func:`fused_qk`): each read once after its mean, with per-row query scales
+that fold in ``scale * log2 e`` (the softmax runs in base 2), per-key K
+scales, and SageAttention2's smoothing bias from the same key tiles.  The
+8-bit V is written once by another (:func:`v_operand`), transposed to ``[B,
+K, D, S]`` (the key dimension contiguous, as the 8-bit tensor-core PV
+operand wants), beside the per-channel epilogue ``O / l * out_scale +
+out_shift``.  Per-tensor ("tensor") scales keep the BTNH XLA quantizers
+(:func:`sage_inputs`, :func:`int8_inputs`, :func:`fp8_inputs`, also the
+bit-for-bit checks of the kernels).  SageAttention2's int4 Q and K go to
+the Triton kernel packed two per byte
+(:func:`jaxattn.quant.pack_int4_halves`: half the bytes moved and held; the
+H100 has no int4 tensor cores, the kernel unpacks to int8 in registers);
+``pack_int4=False`` keeps them in int8 containers (the Mosaic kernel's int8
+path).
 """
 from __future__ import annotations
 
@@ -147,8 +151,8 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk):
     def chunk(c, carry):
       at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
       bias_ref[0][at, :] = jax.lax.dot_general(
-          qm_ref[at, :], y, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-          precision=precision)
+          qm_ref[at, :], y, (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32, precision=precision)
       return carry
     jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, chunk, 0)
 
@@ -179,8 +183,10 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   rows per bias product, 16 to 64; default the largest that divides) are
   the kernel's knobs: run28 at 2x32x8192x128 timed the key pass with the
   bias at 0.52 / 0.41 ms (4 / 8 warps, 64 rows), 0.63-0.95 ms with 16 or
-  32 rows, against 0.10 ms without the bias.  Returns ``(x8 [B, L, H, D], scale [B, L,
-  H] float32 per row, bias or None)``.
+  32 rows, against 0.10 ms without the bias.
+
+  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias or
+  None)``.
   """
   b, n_rows, h, d = x.shape
   d_block = pl.next_power_of_2(d)
@@ -421,7 +427,8 @@ def _fits_rows_kernel(*groups) -> bool:
   return all(g in (1, 2, 4, 8, 16, 32, 64, 128) for g in groups)
 
 
-def fused_qk(method: str, q, k, kv_lens, *, scale: float, config) -> dict | None:
+def fused_qk(method: str, q, k, kv_lens, *, scale: float,
+             config) -> dict | None:
   """The 8-bit (or int4-valued) Q and K of ``method`` by :func:`rows_operand`:
   each read once after its mean (SageAttention2's smoothing; XLA's reduction
   pass), the SageAttention2 bias from the same key tiles.  The values and
