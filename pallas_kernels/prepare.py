@@ -302,6 +302,21 @@ def _key_mean(x, kv_lens):
   return sage_ref._rounded(visible.sum(axis=1) * count[:, None, None])
 
 
+def _query_block_means(q, block_q: int):
+  """SageAttention2's query-block means ``fl(sum x * fl(1 / count))`` of
+  ``q`` ``[B, T, N, D]`` over blocks of ``block_q`` rows (the last one
+  partial): ``[B, ceil(T / block_q), N, D]`` float32, and ``q`` float32
+  padded to whole blocks ``[B, nqb, block_q, N, D]``."""
+  b, t, n, d = q.shape
+  nqb = -(-t // block_q)
+  qf = jnp.pad(q.astype(jnp.float32),
+               [(0, 0), (0, nqb * block_q - t), (0, 0), (0, 0)])
+  qf = qf.reshape(b, nqb, block_q, n, d)
+  counts = jnp.clip(t - jnp.arange(nqb) * block_q, 1, block_q)
+  rcp = quant.reciprocal(counts.astype(jnp.float32))[None, :, None, None]
+  return sage_ref._rounded(qf.sum(axis=2) * rcp), qf
+
+
 def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
                 qk_values: bool = True) -> dict:
   """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries;
@@ -381,32 +396,21 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
   valid = _valid_keys(k, kv_lens)
   out = {}
 
-  def smoothed(x, smooth):
-    mean = (_key_mean(x, kv_lens) if smooth
-            else jnp.zeros((b, nk, x.shape[-1]), f32))   # [B, K, D]
-    return jnp.where(valid, x.astype(f32) - mean[:, None], 0.0), mean
-
-  ks, _ = smoothed(k, config.smooth_k)
+  k_mean = (_key_mean(k, kv_lens) if config.smooth_k
+            else jnp.zeros((b, nk, d), f32))             # [B, K, D]
+  ks = jnp.where(valid, k.astype(f32) - k_mean[:, None], 0.0)
   k_scale = _group_scales(ks, sage_ref._k_group(config, s), bits)
   out["k"] = quant.quantize_int(ks, quant.reciprocal(k_scale)[..., None], bits)
   out["k_scale"] = k_scale
-  vs, out["v_mean"] = smoothed(v, config.smooth_v)
-  if config.pv_dtype == "fp8":
-    v_scale = sage_ref._rounded(jnp.abs(vs).max(axis=1) * sage_ref.RCP_FP8_MAX)
-    if v_values:
-      out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[:, None])
-    out["v_scale"] = v_scale
-  else:
-    out["v"] = vs.astype(jnp.float16)
+  out.update(sage_v_stats(v, kv_lens, config))
+  if config.pv_dtype == "fp8" and v_values:
+    vs = jnp.where(valid, v.astype(f32) - out["v_mean"][:, None], 0.0)
+    out["v"] = quant.quantize_fp8(vs, quant.reciprocal(out["v_scale"])[:, None])
 
   bq = config.block_q
-  nqb = -(-t // bq)
-  qf = jnp.pad(q.astype(f32), [(0, 0), (0, nqb * bq - t), (0, 0), (0, 0)])
-  qf = qf.reshape(b, nqb, bq, n, d)
+  q_mean, qf = _query_block_means(q, bq)                 # [B, nqb, N, D]
+  nqb = qf.shape[1]
   if config.smooth_q:
-    counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
-    q_mean = sage_ref._rounded(qf.sum(axis=2) * quant.reciprocal(counts)[
-        None, :, None, None])                            # [B, nqb, N, D]
     qm = q_mean.reshape(b, nqb, nk, g, d)
     out["smooth_bias"] = jnp.einsum(
         "bqkgd,bskd->bkgqs", qm, ks, precision=jax.lax.Precision.HIGHEST,
@@ -439,8 +443,8 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
-  ``[B, S, K]``, and for "sage" ``k_mean`` ``[B, K, D]`` and
-  ``q_block_bias`` ``[B, N, nqb, S]`` or None.
+  ``[B, S, K]``, and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
+  None.
   """
   b, t, n, d = q.shape
   s, nk = k.shape[1], k.shape[2]
@@ -472,13 +476,8 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
       (b, nk, d), f32)
   q_mean = bias_q = None
   if config.smooth_q:
-    nqb = -(-t // bq)
-    qf = jnp.pad(q.astype(f32), [(0, 0), (0, nqb * bq - t), (0, 0), (0, 0)])
-    counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
-    q_mean = sage_ref._rounded(
-        qf.reshape(b, nqb, bq, n, d).sum(axis=2)
-        * quant.reciprocal(counts)[None, :, None, None])   # [B, nqb, N, D]
-    g = n // nk                    # [B, K, g * nqb, D], the heads of a group
+    q_mean, _ = _query_block_means(q, bq)             # [B, nqb, N, D]
+    nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
     bias_q = (q_mean * sage_ref.log2_scale(scale)).reshape(
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
   bits = config.bits
@@ -491,7 +490,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
       block=max(128, k_group))
   if bias is not None:                              # [B, N, nqb, S]
     bias = bias.reshape(b, n, -1, s)
-  return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, k_mean=k_mean,
+  return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
               q_block_bias=bias)
 
 

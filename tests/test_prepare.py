@@ -161,10 +161,11 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
                                   dict(pv_dtype="fp16")], ids=str)
 def test_sage_v_stats_equal_two_pass(opts):
   """V's mean and per-channel fp8 scale from one reduction pass (max and
-  min) equal the two-pass values of the smoothed V, bit for bit."""
+  min) equal the reference's two-pass values of the smoothed V (per head
+  through vmap), bit for bit."""
   q, k, v, lens = _inputs(21)
   cfg = sage.SageConfig.from_options(**opts)
-  ref = prepare.sage_inputs(q, k, v, lens, scale=0.1, config=cfg)
+  ref = sage.sage_quantize(q, k, v, lens, scale=0.1, config=cfg)
   got = jax.jit(lambda v, l: prepare.sage_v_stats(v, l, cfg))(v, lens)
   want = {n: ref[n] for n in got}
   _assert_same(got, want)
