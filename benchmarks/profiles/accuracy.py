@@ -19,18 +19,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from jaxattn import api, metrics
+from jaxattn import api, bench, metrics
 
-METHODS = [  # (name, method, options)
-    ("fp32 (f16 in)", "fp32", {}),
-    ("sage2-8b", "sage", {"preset": "sage2-8b"}),
-    ("sage2-8b bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
-    ("sage2-4b", "sage", {"preset": "sage2-4b"}),
-    ("sage1", "sage", {"preset": "sage1"}),
-    ("int8 full", "int8", {}),
-    ("int8 half", "int8", {"pv_dtype": "fp16"}),
-    ("fp8", "fp8", {}),
-]
+# (name, method, options): float16-in fp32 and the benchmark's quantized
+# variants (jaxattn.bench.KERNEL_VARIANTS)
+METHODS = [("fp32", "fp32", {})] + [
+    (name.removeprefix("kernel_"), method, opts)
+    for name, method, opts in bench.KERNEL_VARIANTS]
 
 
 def inputs(shape, outliers, seed=0):
