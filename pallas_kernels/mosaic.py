@@ -19,9 +19,11 @@ Operand types (static ``qk`` / ``pv``):
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
 * ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
-* ``pv="fp8"``: ``P * 448`` in float8_e4m3fn, V ``[D, S]`` (key dimension
-  contiguous, the K-major operand 8-bit wgmma needs), per-block product
-  added into a float32 accumulator (two-level accumulation);
+* ``pv="fp8"``: ``P * 448`` in float8_e4m3fn, formed as
+  ``exp2(S - (m - log2 448))`` (no multiply per score; l then counts
+  1/448ths), V ``[D, S]`` (key dimension contiguous, the K-major operand
+  8-bit wgmma needs), per-block product added into a float32 accumulator
+  as ``O * alpha + P V`` (two-level accumulation, one FMA);
 * ``pv="int8"``: ``P = floor(127 p + 1/2)`` in int8, V int8 ``[D, S]``, s32
   accumulation per block (INT-FlashAttention); the row sum is that of the
   quantized P.
@@ -70,17 +72,10 @@ LOG2_FP8_MAX = math.log2(quant.FP8_MAX)
 
 @dataclasses.dataclass(frozen=True)
 class MosaicParams:
-  """Rows per consumer warpgroup, keys per block, shared-memory ring depth
-  (None: 3 with ``overlap``, else 2).
-
-  ``overlap``: FlashAttention-3's intra-warpgroup pipelining (block j's
-  softmax while block j-1's PV is in flight) on top of the ping-pong of the
-  two consumer warpgroups (off by default: slower on the H100, see
-  :data:`OVERLAP`)."""
+  """Rows per consumer warpgroup, keys per block, shared-memory ring depth."""
   block_q: int = 64
   block_kv: int = 128
-  stages: int | None = None
-  overlap: bool = False
+  stages: int = 2
 
 
 def interpret():
@@ -201,7 +196,7 @@ def _pasa_update(state, rows, pv_blk, *, inva):
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             block_q, block_kv, stages, group, c_scale, pasa, has_qk_scales,
             has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
-            overlap, out_dtype):
+            out_dtype):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
@@ -237,8 +232,6 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
     if is_causal:
       hi = jnp.minimum(hi, tile_base + 2 * bq)
     tile_steps = lax.div(hi + (bk - 1), jnp.int32(bk))
-    if overlap:  # (see the consumers' steps)
-      tile_steps = jnp.maximum(tile_steps, 1)
 
     def schedule_barrier():
       plgpu.barrier_arrive(schedule)
@@ -252,8 +245,6 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       q_base = tile_base + wg * bq
       wg_hi = jnp.minimum(kv_len, q_base + bq) if is_causal else kv_len
       steps = lax.div(wg_hi + (bk - 1), jnp.int32(bk))
-      if overlap:  # a row without keys runs one fully masked block
-        steps = jnp.maximum(steps, 1)
       n_full = lax.div(kv_len, jnp.int32(bk))
       if is_causal:
         n_full = jnp.minimum(n_full, lax.div(q_base + 1, jnp.int32(bk)))
@@ -320,13 +311,11 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
         m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        # a row that has seen no key yet (kv_len 0) keeps P = 0, l = 0
-        m_use = jnp.where(m_new == -jnp.inf, 0.0, m_new) if visible is not None else m_new
-        alpha = jnp.exp2(m_i - m_use)
-        if pv == "fp8":  # P * 448 = exp2(s - (m - log2 448)), l in 1/448
-          m_use = m_use - LOG2_FP8_MAX
+        alpha = jnp.exp2(m_i - m_new)
+        # fp8: P * 448 = exp2(s - (m - log2 448)) (l then counts 1/448ths)
+        m_exp = m_new - LOG2_FP8_MAX if pv == "fp8" else m_new
         p = jnp.exp2((s * c if c != 1.0 else s)
-                     - lax.broadcast_in_dim(m_use, s.shape, [0]))
+                     - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
         elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
@@ -350,21 +339,15 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
 
-      def add_block(acc, pv_blk, j, alpha, state, rows, pre_alpha=None):
-        """O after block j's ``P V`` (PASA: steps 3-6): ``O * pre_alpha +
-        P V`` (one FMA), or scaled by the next block's ``alpha`` where given
-        (the overlapped loop)."""
+      def add_block(acc, pv_blk, j, alpha, state, rows):
+        """O after block j's ``P V`` (PASA: steps 3-6): ``O * alpha + P V``
+        (one FMA)."""
         pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
         if pasa:
           return _pasa_update(state, rows, pv_blk, inva=c_scale)
-        if pre_alpha is not None:
-          acc = acc * lax.broadcast_in_dim(pre_alpha, acc.shape, [0]) + pv_blk
-        else:
-          acc = acc + pv_blk
-        if alpha is not None:
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return acc, state[1], state[2], state[3]
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
@@ -403,111 +386,21 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             return pv_ref[...]
           pv_blk = pl.run_scoped(pv_scope, plgpu.ACC((bq, head_dim), pv_type))
           acc, m_new, l_new, pasa_state = add_block(
-              acc, pv_blk, j, None, (acc, m_new, l_new, pasa_state),
-              pasa_rows, pre_alpha=alpha)
+              acc, pv_blk, j, alpha, (acc, m_new, l_new, pasa_state),
+              pasa_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_new, pasa_state
 
-      def overlapped(acc, m_i, l_i, pasa_state):
-        """FlashAttention-3's intra-warpgroup pipelining: block j's QK and
-        block j-1's PV are issued together, and block j's softmax runs
-        while that PV is in flight.  Same arithmetic as ``kv_step``:
-        ``O <- (O + P_{j-1} V_{j-1}) * alpha_j``."""
-        def qk(j, pv=None):
-          """Block j's S (after issuing ``pv``, block j-1's PV, behind it)."""
-          slot = lax.rem(j, jnp.int32(stages))
-          plgpu.barrier_wait(k_bars.at[slot])
-
-          def scope(s_ref):
-            plgpu.wgmma(s_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            if pv is not None:
-              plgpu.wgmma(*pv)
-            schedule_barrier()
-            return plgpu.wgmma_accumulator_load(
-                s_ref, wait_n=0 if pv is None else 1)
-          return pl.run_scoped(scope, plgpu.ACC((bq, bk), acc_type))
-
-        def with_pv(j, acc, p_op, fn, like):
-          """Issues block j's PV into O (``fused_pv``) or into a zeroed
-          block accumulator, runs ``fn(pv) -> outs`` (``like`` gives their
-          shapes) while it is in flight, then awaits it: ``(O or the block's
-          product, outs)``."""
-          plgpu.barrier_wait(v_bars.at[lax.rem(j, jnp.int32(stages))])
-          p_op, v_op = pv_operands(j, p_op)
-          if not fused_pv:
-            def scope(o_ref):
-              outs = fn((o_ref, p_op, v_op))
-              return o_ref[...], outs
-            return pl.run_scoped(scope, plgpu.ACC((bq, head_dim), pv_type))
-
-          def body(refs):   # (run_state returns its refs: outs go by refs)
-            o_ref, out_refs = refs
-            outs = fn((o_ref, p_op, v_op))
-            for r, x in zip(jax.tree.leaves(out_refs), jax.tree.leaves(outs)):
-              r[...] = x
-          return pl.run_state(body)((plgpu.ACC.init(acc), like))
-
-        def finish(j, acc, o, alpha, state, rows):
-          plgpu.barrier_arrive(v_consumed.at[lax.rem(j, jnp.int32(stages))])
-          if not fused_pv:
-            return add_block(acc, o, j, alpha, state, rows)
-          if alpha is not None:
-            o = o * lax.broadcast_in_dim(alpha, o.shape, [0])
-          return (o, *state[1:])
-
-        def step(j, carry, masked):
-          acc, m_i, l_i, pasa_state, p_prev, rows_prev = carry
-
-          def fn(pv):
-            s, c, visible = scores(qk(j, pv), j, masked)
-            return softmax(s, c, visible, m_i, l_i)
-          like = (p_prev, (m_i, l_i, m_i, rows_prev))
-          o, (p_op, (m_new, l_new, alpha, rows)) = with_pv(j - 1, acc, p_prev,
-                                                          fn, like)
-          acc, m_new, l_new, pasa_state = finish(
-              j - 1, acc, o, alpha, (acc, m_new, l_new, pasa_state), rows_prev)
-          schedule_barrier()
-          return acc, m_new, l_new, pasa_state, p_op, rows
-
-        # block 0 (masked: it may be the only one), then the unmasked blocks,
-        # then the masked ones, then the last block's PV
-        s, c, visible = scores(qk(jnp.int32(0)), jnp.int32(0), True)
-        p_op, (m_i, l_i, _, rows) = softmax(s, c, visible, m_i, l_i)
-        if pasa:  # every row sees key 0 when kv_len > 0 (else O = 0 below)
-          rows = (*rows[:3], None)
-        schedule_barrier()
-        carry = (acc, m_i, l_i, pasa_state, p_op, rows)
-        first_masked = jnp.maximum(n_full, 1)
-        carry = lax.fori_loop(1, first_masked,
-                              functools.partial(step, masked=False), carry)
-        if pasa:  # the masked blocks' rows carry which rows saw a key
-          carry = (*carry[:5], (*carry[5][:3], row(1.0, f32) > 0.0))
-        carry = lax.fori_loop(first_masked, steps,
-                              functools.partial(step, masked=True), carry)
-        acc, m_i, l_i, pasa_state, p_op, rows = carry
-
-        def last_pv(pv):
-          plgpu.wgmma(*pv)
-          schedule_barrier()
-        o, _ = with_pv(steps - 1, acc, p_op, last_pv, ())
-        acc, _, l_i, _ = finish(steps - 1, acc, o, None,
-                                (acc, m_i, l_i, pasa_state), rows)
-        schedule_barrier()
-        return acc, l_i
-
       pl.when(wg == 1)(schedule_barrier)
-      if overlap:
-        acc, l_i = overlapped(acc, m_i, l_i, pasa_state)
-      else:
-        @pl.when(steps > 0)
-        def _():
-          plgpu.barrier_wait(k_bars.at[0])
+      @pl.when(steps > 0)
+      def _():
+        plgpu.barrier_wait(k_bars.at[0])
 
-        carry = lax.fori_loop(0, n_full,
-                              functools.partial(kv_step, masked=False),
-                              (acc, m_i, l_i, pasa_state))
-        acc, m_i, l_i, _ = lax.fori_loop(
-            n_full, steps, functools.partial(kv_step, masked=True), carry)
+      carry = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False),
+                            (acc, m_i, l_i, pasa_state))
+      acc, m_i, l_i, _ = lax.fori_loop(n_full, steps,
+                                       functools.partial(kv_step, masked=True),
+                                       carry)
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
         slot = lax.rem(j, jnp.int32(stages))
@@ -524,7 +417,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       lax.fori_loop(steps, tile_steps, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
-      empty = (l_i == 0.0) | (kv_len == 0)
+      empty = l_i == 0.0
       # (with P * 448 folded into the exponent, l is in units of 1/448)
       l_unit = quant.FP8_MAX if pv == "fp8" else 1.0
       inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
@@ -680,14 +573,13 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_kv=bk,
-      stages=params.stages or (3 if params.overlap else 2), group=n // nk,
+      stages=params.stages, group=n // nk,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
       has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,
       fused_pv=pv == "fp16" and not p_in_smem and not pasa,
-      overlap=params.overlap,
       out_dtype=out_dtype)
   out = plgpu.kernel(
       kernel,
@@ -728,23 +620,17 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   return None
 
 
-# Intra-warpgroup pipelining per method (MosaicParams.overlap), from the
-# H100 measurements in benchmarks/README.md.
-OVERLAP = {"fp32": False, "pasa": False, "sage": False, "int8": False,
-           "fp8": False}
-# Keys per block of the "fp32" kernel (not part of its numerics).
-FP32_BLOCK_KV = 128
 
 
 def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
-        p_via_smem=False, overlap=False):
+        p_via_smem=False):
   """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict (int4
   in int8 containers: ``pack_int4=False``)."""
   p = inputs
   return mosaic_attention(
       p["q8"], p["k8"], p["v"], kv_lens, qk=p["qk"], pv=p["pv"],
       is_causal=is_causal,
-      params=MosaicParams(block_kv=block_k, overlap=overlap),
+      params=MosaicParams(block_kv=block_k),
       q_scale=p["q_scale"], k_scale=p["k_scale"],
       q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
       v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
@@ -761,8 +647,6 @@ def fp32_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   del bias, mask, config
   return mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="fp16",
                           pv="fp16", is_causal=is_causal, scale=scale,
-                          params=MosaicParams(block_kv=FP32_BLOCK_KV,
-                                              overlap=OVERLAP["fp32"]),
                           out_dtype=q.dtype)
 
 
@@ -776,8 +660,7 @@ def pasa_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   f16 = jnp.float16
   return mosaic_attention(q.astype(f16), k_shifted, v.astype(f16), kv_lens,
                           qk="fp16", pv="fp16", is_causal=is_causal,
-                          params=MosaicParams(block_kv=config.block_k,
-                                              overlap=OVERLAP["pasa"]),
+                          params=MosaicParams(block_kv=config.block_k),
                           pasa_inva=inva, out_dtype=f16)
 
 
@@ -793,7 +676,7 @@ def _quantized_method(name):
                               config=config, pack_int4=False,
                               v_key_order=p_in_registers())
     return run(p, kv_lens, is_causal=is_causal, block_k=config.block_k,
-               out_dtype=_out_dtype(q), overlap=OVERLAP[name])
+               out_dtype=_out_dtype(q))
   attention.__name__ = f"{name}_attention"
   return attention
 

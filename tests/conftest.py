@@ -1,19 +1,8 @@
 """Shared pytest setup: tests marked ``gpu`` are skipped unless jax sees a
 GPU (markers are declared in pyproject.toml)."""
 import functools
-import os
 
 import pytest
-
-# Mosaic GPU's interpreter runs the kernel's warpgroups as threads that block
-# in barrier callbacks; XLA:CPU's concurrency-optimised scheduler can run a
-# thread's callbacks out of program order and deadlock them (seen with the
-# Mosaic kernel's overlapped loop on 2 cores: 3 of 4 runs hung, 0 of 7 with
-# this flag).  Set before jax creates its CPU client.
-_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-if _FLAG not in os.environ.get("XLA_FLAGS", ""):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG
-                             ).strip()
 
 
 @functools.cache

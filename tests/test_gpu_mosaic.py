@@ -12,7 +12,6 @@ import jax.numpy as jnp
 
 import jaxattn
 from jaxattn import api, data, metrics
-from pallas_kernels import mosaic
 
 pytestmark = pytest.mark.gpu
 
@@ -70,39 +69,6 @@ def test_mosaic_matches_reference_and_triton(method, opts, tol, case,
   print(f"\n{method} {opts} {case}: rel_rmse vs reference {e_ref:.2e}, "
         f"vs triton {e_tri:.2e}")
   assert e_ref < tol and e_tri < tol
-
-
-@pytest.mark.parametrize("method,opts,tol", VARIANTS, ids=str)
-@pytest.mark.parametrize("case", CASES[1:3], ids=str)
-def test_mosaic_overlapped_loop_on_gpu(method, opts, tol, case, monkeypatch,
-                                       poison_allocator):
-  """MosaicParams.overlap (off by default: slower, see benchmarks/README)
-  against the reference and the default loop, compiled afresh (the jitted
-  entry point's caches cleared on both sides)."""
-  b, t, s, n, kh, d, causal, padded = case
-  kq, kk, kv = jax.random.split(jax.random.key(np.random.randint(1 << 30)), 3)
-  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
-  k = jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 0.5
-  v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
-  lens = (jnp.array([s - 7 * (i + 1) for i in range(b)], jnp.int32)
-          if padded else None)
-  kw = dict(method=method, is_causal=causal, key_value_seq_lengths=lens,
-            **opts)
-  jax.clear_caches()
-  default = jaxattn.dot_product_attention(q, k, v, implementation="mosaic",
-                                          **kw)
-  monkeypatch.setitem(mosaic.OVERLAP, method, True)
-  jax.clear_caches()
-  poison_allocator((b, t, n, d))
-  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
-  jax.clear_caches()
-  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
-                                      **kw)
-  assert bool(jnp.isfinite(out).all())
-  e_ref, e_def = _rel(out, ref), _rel(out, default)
-  print(f"\noverlap {method} {opts} {case}: rel_rmse vs reference "
-        f"{e_ref:.2e}, vs default loop {e_def:.2e}")
-  assert e_ref < tol and e_def < tol
 
 
 def test_auto_selects_mosaic_on_hopper():

@@ -119,51 +119,6 @@ def test_mosaic_quantized_bfloat16_in_and_out():
   assert _rel(out, ref) < 5e-3  # bfloat16 output rounding: rel ~2e-3
 
 
-@pytest.fixture
-def overlap(request, monkeypatch):
-  """Turns on MosaicParams.overlap for one method (off by default); the
-  jitted entry point's caches are cleared before and after, so neither
-  this test nor a later one reuses a kernel compiled the other way."""
-  monkeypatch.setitem(mosaic.OVERLAP, request.param, True)
-  jax.clear_caches()
-  yield request.param
-  jax.clear_caches()
-
-
-@pytest.mark.parametrize("overlap", ["fp32", "pasa", "sage", "int8", "fp8"],
-                         indirect=True)
-def test_mosaic_overlapped_loop_matches_reference(overlap):
-  """FlashAttention-3's intra-warpgroup pipelining (MosaicParams.overlap):
-  block j's QK and block j-1's PV in flight together, on causal, padded,
-  GQA inputs whose two warpgroups see different numbers of blocks."""
-  method = overlap
-  seed = np.random.randint(1 << 30)
-  kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-  q = jax.random.normal(kq, (1, 150, 2, 64), jnp.float16)
-  k = jax.random.normal(kk, (1, 200, 1, 64), jnp.float16) + 0.5
-  v = jax.random.normal(kv, (1, 200, 1, 64), jnp.float16)
-  kw = dict(method=method, is_causal=True, key_value_seq_lengths=[170])
-  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
-  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
-                                      **kw)
-  assert out.shape == ref.shape and bool(jnp.isfinite(out).all())
-  tol = {"fp32": TOL, "pasa": 5e-3}.get(method, TOL_8BIT_P)
-  assert _rel(out, ref) < tol, (seed, _rel(out, ref))
-
-
-@pytest.mark.parametrize("overlap", ["fp32", "sage"], indirect=True)
-def test_mosaic_overlapped_loop_rows_without_keys_are_zero(overlap):
-  """kv_len 0: the overlapped loop runs one fully masked block (P = 0,
-  l = 0) and writes zeros."""
-  q = jnp.ones((2, 128, 1, 64), jnp.float16)
-  k = v = jnp.ones((2, 128, 1, 64), jnp.float16)
-  out = jaxattn.dot_product_attention(q, k, v, method=overlap,
-                                      key_value_seq_lengths=[0, 5],
-                                      implementation="mosaic")
-  assert float(jnp.abs(out[0]).max()) == 0.0
-  np.testing.assert_allclose(np.asarray(out[1], np.float32), 1.0, rtol=2e-2)
-
-
 def test_mosaic_rows_without_keys_are_zero():
   q = jnp.ones((2, 64, 1, 64), jnp.float16)
   k = v = jnp.ones((2, 128, 1, 64), jnp.float16)
