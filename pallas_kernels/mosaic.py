@@ -16,6 +16,9 @@ Operand types (static ``qk`` / ``pv``):
 * ``qk="int8"``: int8 Q, K (wgmma s8 x s8 -> s32), then
   ``S = float32(S_i32) * q_scale[:, None] * k_scale[None, :]`` with
   ``scale * log2 e`` folded into ``q_scale`` (SageAttention, INT-FlashAttention);
+  without a smoothing bias the softmax applies ``q_scale > 0`` itself (row
+  max of ``S_i32 k_scale`` times ``q_scale``, one FMA per score in the
+  exponent);
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
 * ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
@@ -281,7 +284,13 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           plgpu.barrier_wait(qb_bars.at[slot])
           qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
         plgpu.barrier_arrive(k_consumed.at[slot])
-        if has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
+        if has_qk_scales and not has_qbias:
+          # S = (S_i32 k_scale) q_scale with q_scale > 0 applied by the
+          # softmax: row max of S_i32 k_scale times q_scale, and one FMA per
+          # score in the exponent (q_scale 0 of an all-zero row -> tiny)
+          s = s.astype(f32) * lax.broadcast_in_dim(k_scale, s.shape, [1])
+          c = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+        elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
           s = s.astype(f32)
           s = (s * lax.broadcast_in_dim(q_scale, s.shape, [0])
                * lax.broadcast_in_dim(k_scale, s.shape, [1]))
@@ -314,8 +323,11 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         alpha = jnp.exp2(m_i - m_new)
         # fp8: P * 448 = exp2(s - (m - log2 448)) (l then counts 1/448ths)
         m_exp = m_new - LOG2_FP8_MAX if pv == "fp8" else m_new
-        p = jnp.exp2((s * c if c != 1.0 else s)
-                     - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+        if not isinstance(c, float):   # a row of factors
+          s = s * lax.broadcast_in_dim(c, s.shape, [0])
+        elif c != 1.0:
+          s = s * c
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
         elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
