@@ -15,10 +15,10 @@ Operand types (static ``qk`` / ``pv``):
   ``exp2(S * scale * log2 e - m)``;
 * ``qk="int8"``: int8 Q, K (wgmma s8 x s8 -> s32), then
   ``S = float32(S_i32) * q_scale[:, None] * k_scale[None, :]`` with
-  ``scale * log2 e`` folded into ``q_scale`` (SageAttention, INT-FlashAttention);
-  without a smoothing bias the softmax applies ``q_scale > 0`` itself (row
-  max of ``S_i32 k_scale`` times ``q_scale``, one FMA per score in the
-  exponent);
+  ``scale * log2 e`` folded into ``q_scale`` (SageAttention,
+  INT-FlashAttention); without a smoothing bias the softmax applies
+  ``q_scale > 0`` itself (row max of ``S_i32 k_scale`` times ``q_scale``,
+  one FMA per score in the exponent);
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
 * ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
@@ -259,13 +259,15 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       if has_qk_scales:
         q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
                              layout=row_layout, optimized=False)
+        if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
+          # becomes tiny, which leaves its scores at 0
+          q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
       stat = f16 if pasa else f32   # PASA keeps m, l, O (and F) in float16
       row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
                                                  row_layout)
-      tile = lambda shape, dt, x=0: plgpu.layout_cast(jnp.full(shape, x, dt),
-                                                      plgpu.Layout.WGMMA)
       m_i, l_i = row(-jnp.inf), row(0.0)
-      acc = tile((bq, head_dim), stat)
+      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
+                              plgpu.Layout.WGMMA)
       pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
       acc_type = jnp.int32 if qk == "int8" else f32
       pv_type = jnp.int32 if pv == "int8" else f32
@@ -285,14 +287,13 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
         plgpu.barrier_arrive(k_consumed.at[slot])
         if has_qk_scales and not has_qbias:
-          # S = (S_i32 k_scale) q_scale with q_scale > 0 applied by the
-          # softmax: row max of S_i32 k_scale times q_scale, and one FMA per
-          # score in the exponent (q_scale 0 of an all-zero row -> tiny)
+          # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
+          # row max of S_i32 k_scale times q_scale, one FMA per score in the
+          # exponent
           s = s.astype(f32) * lax.broadcast_in_dim(k_scale, s.shape, [1])
-          c = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+          c = q_scale
         elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
-          s = s.astype(f32)
-          s = (s * lax.broadcast_in_dim(q_scale, s.shape, [0])
+          s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
                * lax.broadcast_in_dim(k_scale, s.shape, [1]))
           c = 1.0
         else:
@@ -351,16 +352,17 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
 
-      def add_block(acc, pv_blk, j, alpha, state, rows):
-        """O after block j's ``P V`` (PASA: steps 3-6): ``O * alpha + P V``
-        (one FMA)."""
+      def add_block(state, pv_blk, j, alpha, pasa_rows):
+        """The state ``(O, m, l, PASA's F)`` after block j's per-block
+        ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
         pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
         if pasa:
-          return _pasa_update(state, rows, pv_blk, inva=c_scale)
+          return _pasa_update(state, pasa_rows, pv_blk, inva=c_scale)
+        acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
-        return acc, state[1], state[2], state[3]
+        return (acc, *rest)
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
@@ -398,12 +400,12 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             return pv_ref[...]
           pv_blk = pl.run_scoped(pv_scope, plgpu.ACC((bq, head_dim), pv_type))
           acc, m_new, l_new, pasa_state = add_block(
-              acc, pv_blk, j, alpha, (acc, m_new, l_new, pasa_state),
-              pasa_rows)
+              (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, pasa_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_new, pasa_state
 
       pl.when(wg == 1)(schedule_barrier)
+
       @pl.when(steps > 0)
       def _():
         plgpu.barrier_wait(k_bars.at[0])
@@ -632,8 +634,6 @@ def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
   return None
 
 
-
-
 def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
         p_via_smem=False):
   """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict (int4
@@ -641,8 +641,7 @@ def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
   p = inputs
   return mosaic_attention(
       p["q8"], p["k8"], p["v"], kv_lens, qk=p["qk"], pv=p["pv"],
-      is_causal=is_causal,
-      params=MosaicParams(block_kv=block_k),
+      is_causal=is_causal, params=MosaicParams(block_kv=block_k),
       q_scale=p["q_scale"], k_scale=p["k_scale"],
       q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
       v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
