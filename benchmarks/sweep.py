@@ -1,5 +1,5 @@
 """Sweeps the kernel knobs of jaxattn's Pallas kernels on the GPU with
-:func:`pallas_kernels.tuning.autotune` and prints every configuration's time
+:func:`jaxattn.tuning.autotune` and prints every configuration's time
 and its ratio to cuDNN bf16 measured in the same run.
 
     python benchmarks/sweep.py --methods fp32,pasa --shapes 2x32x8192x128
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from pallas_kernels import tuning  # noqa: E402
+from jaxattn import tuning  # noqa: E402
 
 warnings.filterwarnings("ignore", category=DeprecationWarning)
 

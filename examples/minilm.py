@@ -14,7 +14,7 @@ The embeddings are compared, per sentence by cosine similarity, with
 
 ::
 
-  python examples/minilm.py [--implementation reference|pallas]
+  python examples/minilm.py [--implementation reference|triton]
                             [--methods fp32 pasa sage2-4b ...]
                             [--sentences "one" "two" ...]
 
@@ -220,8 +220,8 @@ def compare(sentences=DEFAULT_SENTENCES, methods=DEFAULT_METHODS,
   ``"fp32 reference"`` and every method name to ``[B, hidden]`` float64
   numpy; ``cosines`` maps each method to ``{"fp32": [B], "torch": [B],
   "implementation": str}``, the per-sentence cosine similarity to the
-  fp32-reference and the PyTorch embeddings (``implementation="pallas"``
-  runs methods without a kernel, ``fp8``, as the reference).
+  fp32-reference and the PyTorch embeddings (``implementation="triton"``
+  runs methods without a Triton kernel, ``fp8``, as the reference).
   """
   config, weights = load_model()
   ids, mask = tokenize(sentences, config)
@@ -234,11 +234,11 @@ def compare(sentences=DEFAULT_SENTENCES, methods=DEFAULT_METHODS,
   cosines = {}
   for name in methods:
     options = method_options(name)
-    method = jaxattn.base.get_method(options["method"])
     impl = implementation
-    if impl == "pallas" and method.pallas is None:
-      impl = "reference"  # no kernel for this method (fp8)
-    impl = jaxattn.api.resolve_implementation(impl, method)
+    if impl is None:  # what None picks for a masked call (Mosaic takes none)
+      impl = "triton" if jaxattn.api.BACKENDS["triton"].native() else "reference"
+    if options["method"] not in jaxattn.api.BACKENDS[impl].ADAPTERS:
+      impl = "reference"  # no kernel for this method on that backend (fp8)
     if options == {"method": "fp32"} and impl == "reference":
       emb = embeddings["fp32 reference"]  # the same computation
     else:
@@ -264,7 +264,7 @@ def format_table(cosines) -> str:
 
 def main(argv=None) -> int:
   parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  parser.add_argument("--implementation", choices=("reference", "pallas"),
+  parser.add_argument("--implementation", choices=("reference", "triton"),
                       default=None, help="default: Pallas on a GPU where the "
                       "method has a kernel, the reference otherwise")
   parser.add_argument("--methods", nargs="+", default=list(DEFAULT_METHODS),

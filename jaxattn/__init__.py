@@ -16,14 +16,13 @@ method         algorithm
 "fp8"          FlashAttention-3-style float8 e4m3 baseline
 =============  ==============================================================
 """
-from jaxattn import base
-from jaxattn import flash
-from jaxattn import pasa
-from jaxattn import sage
-from jaxattn import int_flash, fmha, fp8
+from jaxattn import base, quant
+from jaxattn import flash, pasa, sage, int_flash, fmha, fp8
+from jaxattn import methods
 from jaxattn.api import dot_product_attention, _named
+from jaxattn.mix import choose_precision
 
-METHODS = tuple(base.methods())
+METHODS = tuple(methods.METHODS)
 
 fp32_attention = _named("fp32", "Flash attention with float32 softmax.")
 fp16_fp32_attention = _named("fp16_fp32", "Float16 scores, float32 softmax.")
@@ -36,11 +35,6 @@ fp8_attention = _named("fp8", "FlashAttention-3-style float8 e4m3.")
 
 __all__ = ["dot_product_attention", "METHODS", "fp32_attention",
            "fp16_fp32_attention", "fp16_attention", "pasa_attention", "pasa",
-           "sage_attention", "sage",
+           "sage_attention", "sage", "choose_precision",
            "int8_attention", "fmha_int8", "fp8_attention", "int_flash",
            "fmha", "fp8"]
-
-# Pallas kernels attach themselves to the registered methods.
-import pallas_kernels.flash  # noqa: E402,F401
-import pallas_kernels.quantized  # noqa: E402,F401
-import pallas_kernels.mosaic  # noqa: E402,F401

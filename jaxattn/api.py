@@ -3,15 +3,23 @@ method, shaped like ``jax.nn.dot_product_attention``."""
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base
+from jaxattn import base, methods
+from jaxattn.backends import Call
+from jaxattn.backends import mosaic, reference, triton
 
-IMPLEMENTATIONS = (None, "reference", "pallas", "mosaic")
+# The backends by implementation name, and the order in which
+# implementation=None tries them.
+BACKENDS = {"mosaic": mosaic, "triton": triton, "reference": reference}
+PREFERENCE = ("mosaic", "triton", "reference")
+RENAMED = {"pallas": "triton"}  # deprecated implementation names
+IMPLEMENTATIONS = (None, *BACKENDS, *RENAMED)
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -70,7 +78,7 @@ def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
       raise ValueError(f"mask of shape {mask.shape} does not broadcast to "
                        f"[batch, heads, q_len, kv_len] = {full}") from e
   if key_value_seq_lengths is None:
-    kv_lens = jnp.full((b,), s, jnp.int32)
+    kv_lens = base.kv_lengths(None, b, s)
   else:
     kv_lens = jnp.asarray(key_value_seq_lengths)
     if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype, jnp.integer):
@@ -85,49 +93,51 @@ def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
   return bias, mask, kv_lens
 
 
-def _has_gpu() -> bool:
-  try:
-    return any(dev.platform == "gpu" for dev in jax.devices())
-  except RuntimeError:
-    return False
-
-
-def _is_hopper() -> bool:
-  """A compute capability 9.x GPU (H100, H200): the Mosaic kernels' target."""
-  try:
-    dev = jax.devices()[0]
-  except RuntimeError:
-    return False
-  return dev.platform == "gpu" and str(
-      getattr(dev, "compute_capability", "")).startswith("9")
-
-
-def resolve_implementation(implementation, method: base.Method,
-                           mosaic_unsupported=lambda: None) -> str:
-  """None picks the Mosaic kernel on Hopper when the method has one and the
-  call fits it (``mosaic_unsupported()`` returns None), else the Triton
-  kernel on any GPU, else the reference."""
-  if implementation not in IMPLEMENTATIONS:
+def implementation_name(implementation: str | None) -> str | None:
+  """``implementation`` checked (ValueError listing the names) and with a
+  deprecated name replaced (DeprecationWarning)."""
+  if implementation in RENAMED:
+    new = RENAMED[implementation]
+    warnings.warn(f"implementation={implementation!r} is now {new!r}",
+                  DeprecationWarning, stacklevel=4)
+    return new
+  if implementation is not None and implementation not in BACKENDS:
     raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got "
                      f"{implementation!r}")
+  return implementation
+
+
+def select_backend(implementation: str | None, call: Call) -> str:
+  """The name of the backend that runs ``call``.
+
+  None walks :data:`PREFERENCE` and takes the first backend that runs
+  natively here (Mosaic on Hopper, Triton on any GPU, the reference
+  everywhere), has an adapter for the method and accepts the call.  A name
+  is taken as asked: NotImplementedError with the reason when its backend
+  has no kernel for the method or cannot honour the call.  "pallas" is the
+  deprecated name of "triton".
+  """
+  implementation = implementation_name(implementation)
   if implementation is None:
-    if (method.mosaic is not None and _is_hopper()
-        and mosaic_unsupported() is None):
-      return "mosaic"
-    return "pallas" if method.pallas is not None and _has_gpu() else "reference"
-  if implementation == "pallas" and method.pallas is None:
+    for name in PREFERENCE:
+      backend = BACKENDS[name]
+      adapter = backend.ADAPTERS.get(call.method)
+      if adapter is None or not backend.native():
+        continue
+      try:
+        adapter.check(call)
+      except NotImplementedError:
+        continue
+      return name
+    raise AssertionError(f"no backend accepts {call}")  # the reference does
+  backend = BACKENDS[implementation]
+  adapter = backend.ADAPTERS.get(call.method)
+  if adapter is None:
+    others = [n for n in PREFERENCE if call.method in BACKENDS[n].ADAPTERS]
     raise NotImplementedError(
-        f"method {method.name!r} has no Pallas kernel yet; use "
-        "implementation='reference'")
-  if implementation == "mosaic":
-    if method.mosaic is None:
-      raise NotImplementedError(
-          f"method {method.name!r} has no Mosaic GPU kernel; use "
-          "implementation='pallas' or 'reference'")
-    reason = mosaic_unsupported()
-    if reason is not None:
-      raise NotImplementedError(
-          f"the Mosaic GPU kernel of {method.name!r} does not take {reason}")
+        f"method {call.method!r} has no {backend.TITLE} kernel; use "
+        f"implementation={' or '.join(map(repr, others))}")
+  adapter.check(call)
   return implementation
 
 
@@ -135,12 +145,10 @@ def resolve_implementation(implementation, method: base.Method,
     "method", "implementation", "scale", "is_causal", "config"))
 def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
                is_causal, config):
-  m = base.get_method(method)
-  fn = {"reference": m.reference, "pallas": m.pallas,
-        "mosaic": m.mosaic}[implementation]
-  out = fn(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
-           config=config)
-  if m.quantized:
+  adapter = BACKENDS[implementation].ADAPTERS[method]
+  out = adapter.run(q, k, v, bias, mask, kv_lens, scale=scale,
+                    is_causal=is_causal, config=config)
+  if methods.get(method).quantized:
     out = _propagate_nonfinite(out, q, k, v, kv_lens)
   if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
     return out
@@ -187,11 +195,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     method: one of ``jaxattn.METHODS`` ("fp32", "fp16_fp32", "fp16", "pasa",
       "sage", "int8", "fmha_int8", "fp8").
     implementation: None (on an H100/H200 the Mosaic GPU kernel when the
-      method has one and the call fits it, else the Pallas Triton kernel on a
-      GPU when the method has one, else the reference), "reference",
-      "pallas" (the Triton kernel; interpret mode without a GPU) or "mosaic"
-      (the warp-specialised Hopper kernel; Mosaic GPU's interpreter without
-      a GPU).
+      method has one and the call fits it, else the Triton kernel on a GPU
+      when the method has one and the call fits it, else the reference),
+      "reference", "triton" (interpret mode without a GPU) or "mosaic" (the
+      warp-specialised Hopper kernel; Mosaic GPU's interpreter without a
+      GPU).  "pallas" is the deprecated name of "triton".  A named
+      implementation that cannot run the call raises NotImplementedError
+      with the reason.
     **options: the method's options (its configuration dataclass fields);
       unknown ones raise ``TypeError``.
 
@@ -201,10 +211,25 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     integer output option (``fmha_int8`` with ``return_int8=True``) return a
     tuple as documented there.
   """
-  m = base.get_method(method)
-  config = m.config_cls.from_options(**options)
+  config = methods.get(method).config_cls.from_options(**options)
   unbatched = getattr(query, "ndim", 0) == 3
-  if unbatched:
+  query, key, value, bias, mask, kv_lens, impl = _normalise(
+      query, key, value, bias, mask, key_value_seq_lengths, config=config,
+      method=method, implementation=implementation, is_causal=is_causal)
+  scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
+  out = _attention(query, key, value, bias, mask, kv_lens, method=method,
+                   implementation=impl, scale=scale,
+                   is_causal=bool(is_causal), config=config)
+  if unbatched:  # drop the batch axis again (not from a scalar scale)
+    out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
+  return out
+
+
+def _normalise(query, key, value, bias, mask, key_value_seq_lengths, *,
+               config, method, implementation, is_causal):
+  """The inputs batched and checked, bias and mask broadcast, the key
+  lengths as int32 ``[B]``, and the backend that runs the call."""
+  if getattr(query, "ndim", 0) == 3:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
     if bias is not None:
       bias = jnp.asarray(bias)
@@ -214,17 +239,27 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       mask = mask[None] if mask.ndim == 3 else mask
   bias, mask, kv_lens = _check_inputs(query, key, value, bias, mask,
                                       key_value_seq_lengths)
-  def mosaic_unsupported():
-    from pallas_kernels import mosaic
-    return mosaic.unsupported_reason(method, query, key, bias, mask, config)
-  impl = resolve_implementation(implementation, m, mosaic_unsupported)
-  scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
-  out = _attention(query, key, value, bias, mask, kv_lens, method=method,
-                   implementation=impl, scale=scale,
-                   is_causal=bool(is_causal), config=config)
-  if unbatched:  # drop the batch axis again (not from a scalar scale)
-    out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
-  return out
+  call = Call(method=method, config=config,
+              q=jax.ShapeDtypeStruct(query.shape, query.dtype),
+              k=jax.ShapeDtypeStruct(key.shape, key.dtype),
+              has_bias=bias is not None, has_mask=mask is not None,
+              is_causal=bool(is_causal))
+  impl = select_backend(implementation, call)
+  return query, key, value, bias, mask, kv_lens, impl
+
+
+def resolve_implementation(query, key, value, bias=None, mask=None, *,
+                           is_causal: bool = False,
+                           key_value_seq_lengths=None, method: str = "fp32",
+                           implementation: str | None = None,
+                           **options: Any) -> str:
+  """The backend (``"mosaic"``, ``"triton"`` or ``"reference"``) that
+  :func:`dot_product_attention` would run these arguments on, or its
+  error."""
+  config = methods.get(method).config_cls.from_options(**options)
+  return _normalise(query, key, value, bias, mask, key_value_seq_lengths,
+                    config=config, method=method,
+                    implementation=implementation, is_causal=is_causal)[-1]
 
 
 def _named(method: str, doc: str):

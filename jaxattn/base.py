@@ -1,5 +1,5 @@
-"""Machinery shared by every method: the method registry, configuration
-objects, per-head vmapping and the key-block / mask helpers of the references.
+"""Machinery shared by every method: configuration objects, per-head
+vmapping, key lengths and the key-block / mask helpers of the references.
 
 Conventions used throughout jaxattn:
 
@@ -20,11 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Callable
+import warnings
+from typing import Any, Callable, ClassVar
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pallas_kernels.common import LOG2E
 
 DEFAULT_BLOCK_K = 128
 
@@ -33,11 +36,20 @@ class MethodConfig:
   """Base class of the per-method configuration dataclasses (frozen, hashable).
 
   Subclasses are ``@dataclasses.dataclass(frozen=True)``; their fields are the
-  method's ``**options``.
+  method's ``**options``.  ``RENAMED`` maps an old option name to its new
+  one: :meth:`from_options` still takes it, with a ``DeprecationWarning``.
   """
+  RENAMED: ClassVar[dict[str, str]] = {}
 
   @classmethod
   def from_options(cls, **options) -> "MethodConfig":
+    for old, new in cls.RENAMED.items():
+      if old in options:
+        if new in options:
+          raise TypeError(f"pass {new} only ({old} is its old name)")
+        warnings.warn(f"option {old!r} of {cls.__name__} is now {new!r}",
+                      DeprecationWarning, stacklevel=3)
+        options[new] = options.pop(old)
     names = [f.name for f in dataclasses.fields(cls)]
     unknown = sorted(set(options) - set(names))
     if unknown:
@@ -49,62 +61,14 @@ class MethodConfig:
 
 def check_kernel_knobs(config) -> None:
   """Validates the optional block sizes / warps / stages of a config."""
-  for name in ("block_q", "block_k", "num_warps", "num_stages"):
+  for name in ("block_q", "block_k", "tile_q", "num_warps", "num_stages"):
     value = getattr(config, name, None)
     if value is not None and (not isinstance(value, int) or value < 1):
       raise ValueError(f"{name} must be a positive int, got {value!r}")
-  for name in ("block_q", "block_k"):
+  for name in ("block_q", "block_k", "tile_q"):
     value = getattr(config, name, None)
     if value is not None and value & (value - 1):
       raise ValueError(f"{name} must be a power of two, got {value}")
-
-
-@dataclasses.dataclass(frozen=True)
-class Method:
-  """A registered attention method.
-
-  ``reference`` and ``pallas`` are batched functions with the signature
-  ``fn(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config)`` on
-  normalised BTNH inputs (bias/mask already broadcast to ``[B, N, T, S]`` or
-  ``None``, ``kv_lens`` int32 ``[B]``) returning float32 ``[B, T, N, Dv]``
-  (or a tuple whose first element is that, see ``returns_tuple``).
-  """
-  name: str
-  config_cls: type
-  reference: Callable[..., Any]
-  pallas: Callable[..., Any] | None = None
-  mosaic: Callable[..., Any] | None = None  # the Hopper (Mosaic GPU) kernel
-  doc: str = ""
-  quantized: bool = False  # integer/fp8 quantizers swallow NaN and Inf
-
-
-_METHODS: dict[str, Method] = {}
-
-
-def register(method: Method) -> Method:
-  _METHODS[method.name] = method
-  return method
-
-
-def attach_pallas(name: str, fn: Callable[..., Any]) -> None:
-  """Sets the Pallas implementation of the registered method ``name``."""
-  _METHODS[name] = dataclasses.replace(get_method(name), pallas=fn)
-
-
-def attach_mosaic(name: str, fn: Callable[..., Any]) -> None:
-  """Sets the Hopper (Pallas Mosaic GPU) kernel of the registered method."""
-  _METHODS[name] = dataclasses.replace(get_method(name), mosaic=fn)
-
-
-def get_method(name: str) -> Method:
-  if name not in _METHODS:
-    raise ValueError(
-        f"unknown method {name!r}; available: {sorted(_METHODS)}")
-  return _METHODS[name]
-
-
-def methods() -> dict[str, Method]:
-  return dict(_METHODS)
 
 
 # ----------------------------------------------------------------------------
@@ -152,7 +116,30 @@ def vmap_heads(per_head: Callable[..., Any]) -> Callable[..., Any]:
 
 
 # ----------------------------------------------------------------------------
-# Key blocks and masks for the blocked (flash) references.
+# Key lengths, key blocks and masks for the blocked (flash) references.
+
+
+def kv_lengths(kv_len, batch: int, s: int):
+  """``kv_len`` as int32 ``[batch]``; None means every key (``s``)."""
+  if kv_len is None:
+    return jnp.full((batch,), s, jnp.int32)
+  return jnp.asarray(kv_len, jnp.int32)
+
+
+def zero_beyond(x, kv_len, axis: int = 0):
+  """``x`` with the rows at or beyond ``kv_len`` along ``axis`` set to zero.
+
+  Per head (``axis=0``, ``kv_len`` a scalar) or BTNH (``axis=1``,
+  ``kv_len`` ``[B]``).  Keys beyond the length then quantize to zero, never
+  reach a scale, and garbage (even NaN) in them cannot reach the output."""
+  rows = jnp.arange(x.shape[axis])
+  kv_len = jnp.asarray(kv_len)
+  if axis == 1:
+    valid = rows[None, :] < kv_len[:, None]
+  else:
+    valid = rows < kv_len
+  valid = valid.reshape(valid.shape + (1,) * (x.ndim - axis - 1))
+  return jnp.where(valid, x, jnp.zeros_like(x))
 
 
 def pad_to_multiple(x, axis: int, multiple: int, value=0):
@@ -229,9 +216,6 @@ def finalize(o, l):
   l = l[:, None]
   safe_l = jnp.where(l == 0, jnp.ones_like(l), l)
   return jnp.where(l == 0, jnp.zeros_like(o), o / safe_l)
-
-
-LOG2E = math.log2(math.e)
 
 
 def exp_f32(x, acc=jnp.float32):

@@ -35,7 +35,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
+from jaxattn import api, methods, operands
 from jaxattn.report import Progress, new_figure, require_matplotlib
+from jaxattn.tuning import time_call
+from pallas_kernels import common
 
 DEFAULT_SHAPES = "4x32x2048x128,2x32x8192x128,1x32x16384x128,4x32x4096x64"
 REFERENCE = "cudnn_bf16"  # every ratio is to this method, always timed
@@ -74,24 +77,17 @@ KERNEL_VARIANTS = [
 
 
 def _backends(method):
-  """``[(name suffix, implementation)]`` of the method's GPU kernels."""
-  from jaxattn import api
-  m = jaxattn.base.get_method(method)
-  out = [("", "pallas")] if m.pallas is not None else []
-  if m.mosaic is not None and api._is_hopper():
+  """``[(name suffix, implementation)]`` of the method's GPU kernels: the
+  Triton kernel (no suffix) and, on Hopper, the Mosaic kernel."""
+  out = [("", "triton")] if method in api.BACKENDS["triton"].ADAPTERS else []
+  if (method in api.BACKENDS["mosaic"].ADAPTERS
+      and api.BACKENDS["mosaic"].native()):
     out.append(("_mosaic", "mosaic"))
   return out
 
 
 def parse_shapes(text):
   return [tuple(int(x) for x in s.split("x")) for s in text.split(",") if s]
-
-
-def has_gpu():
-  try:
-    return any(d.platform in ("gpu", "cuda", "rocm") for d in jax.devices())
-  except RuntimeError:
-    return False
 
 
 def jax_methods(causal, d):
@@ -130,38 +126,28 @@ def jax_methods(causal, d):
   return out
 
 
-# On Hopper, these kernels also timed with 8-bit P through shared memory
-# (the "_p_smem" suffix) instead of from registers.
-P_SMEM_VARIANTS = ("kernel_sage2-8b_bk128", "kernel_int8_full", "kernel_fp8")
 # The quantizers alone ("prep_" + the method's name): the kernels' BTNH
-# quantizer, and SageAttention's reference quantizer (per head through vmap)
-# that it replaces.
-PREP_VARIANTS = [  # (name, method, options, kernel_inputs keywords)
-    ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}, {}),
-    ("prep_int8_full", "int8", {}, {}),
-    ("prep_fp8", "fp8", {}, {}),
-    # Q and K through XLA's quantizers instead of the one-pass Pallas kernel
-    ("prep_sage2-8b_xla_qk", "sage", {"preset": "sage2-8b"},
-     {"fuse_qk": False}),
-    ("prep_int8_full_xla_qk", "int8", {}, {"fuse_qk": False}),
+# quantizer (jaxattn.operands), and SageAttention's reference quantizer (per
+# head through vmap) that it replaces.
+PREP_VARIANTS = [  # (name, method, options)
+    ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}),
+    ("prep_int8_full", "int8", {}),
+    ("prep_fp8", "fp8", {}),
 ]
 
 
 def quantizers_alone(d):
   """name -> setup(q, k, v) -> (jitted quantizer, its arguments)."""
-  from jaxattn import sage
-  from pallas_kernels import prepare
   scale = 1.0 / math.sqrt(d)
   out = {}
-  for name, method, opts, kw in PREP_VARIANTS:
-    cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
-    fns = {name: lambda q, k, v, lens, method=method, cfg=cfg, kw=kw: {
-        n: x for n, x in prepare.kernel_inputs(
-            method, q, k, v, lens, scale=scale, config=cfg, **kw).items()
-        if isinstance(x, jax.Array)}}
+  for name, method, opts in PREP_VARIANTS:
+    cfg = methods.get(method).config_cls.from_options(**opts)
+    fns = {name: lambda q, k, v, lens, method=method, cfg=cfg: (
+        operands.quantized_operands(method, q, k, v, lens, scale=scale,
+                                    config=cfg))}
     if name == "prep_sage2-8b":
       fns[name + "_reference"] = lambda q, k, v, lens, cfg=cfg: (
-          sage.sage_quantize(q, k, v, lens, scale=scale, config=cfg))
+          jaxattn.sage.sage_quantize(q, k, v, lens, scale=scale, config=cfg))
     for n, fn in fns.items():
       def setup(q, k, v, fn=fn):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
@@ -173,38 +159,23 @@ def quantizers_alone(d):
 def kernel_alone(causal, d):
   """name -> setup(q, k, v) -> (jitted kernel, its arguments): the kernels
   timed on pre-quantized inputs (the quantizer's time excluded), made by the
-  same :func:`pallas_kernels.prepare.kernel_inputs` the methods use."""
-  from pallas_kernels import mosaic, prepare, quantized
+  backends' own adapters (``prepare``, then ``kernel``), as the methods
+  run."""
   scale = 1.0 / math.sqrt(d)
   out = {}
   for name, method, opts in KERNEL_VARIANTS:
-    cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+    cfg = methods.get(method).config_cls.from_options(**opts)
     for suffix, impl in _backends(method):
-      if impl == "pallas":
-        params = quantized.kernel_params(d, cfg, block_k=cfg.block_k)
-        run = functools.partial(quantized.run, params=params)
-      else:
-        run = functools.partial(mosaic.run, block_k=cfg.block_k)
+      adapter = api.BACKENDS[impl].ADAPTERS[method]
 
-      # int4 Q, K: packed for the Triton kernel, int8 containers for Mosaic
-      # (and Mosaic's 8-bit V in its register-operand key order)
-      def setup(q, k, v, method=method, cfg=cfg, run=run,
-                pack_int4=impl == "pallas", key_order=impl == "mosaic"):
+      def setup(q, k, v, cfg=cfg, adapter=adapter):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)
-        p = prepare.kernel_inputs(method, q, k, v, lens, scale=scale,
-                                  config=cfg, pack_int4=pack_int4,
-                                  v_key_order=key_order)
-        arrays = {n: x for n, x in p.items() if isinstance(x, jax.Array)}
-        static = {n: x for n, x in p.items() if n not in arrays}
-        fn = jax.jit(lambda arrays, lens: run(
-            {**arrays, **static}, lens, is_causal=causal,
-            out_dtype=jnp.float16))
-        return fn, jax.block_until_ready((arrays, lens))
+        ops = jax.jit(functools.partial(adapter.prepare, scale=scale,
+                                        config=cfg))(q, k, v, lens)
+        fn = jax.jit(lambda ops, lens: adapter.kernel(
+            ops, lens, is_causal=causal, config=cfg, out_dtype=jnp.float16))
+        return fn, jax.block_until_ready((ops, lens))
       out[name + suffix] = setup
-      if impl == "mosaic" and name in P_SMEM_VARIANTS:
-        out[name + suffix + "_p_smem"] = functools.partial(
-            setup, run=functools.partial(run, p_via_smem=True),
-            key_order=False)
   return out
 
 
@@ -241,7 +212,6 @@ def method_jobs(causal, d, names):
 def bench_shape(shape, causal, names, iters, reps, log, progress=None):
   """``{name: {ms, tflops, [temp_bytes], ratio_vs_cudnn_bf16} or {error}}``
   of every selected method on one shape."""
-  from pallas_kernels.tuning import time_call
   b, h, s, d = shape
   flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
   key = jax.random.key(0)
@@ -324,10 +294,10 @@ def plot(docs, out_dir):
   colours = matplotlib.colormaps["tab20"].colors
   markers = "osD^v<>phX*"
   paths = []
-  for (causal, d), methods in sorted(speed_series(docs).items()):
+  for (causal, d), series in sorted(speed_series(docs).items()):
     fig, (ax_speed, ax_ratio) = new_figure(2, width=5.5, height=4.8)
-    seq_lens = sorted({s for pts in methods.values() for s in pts})
-    for i, (name, pts) in enumerate(methods.items()):
+    seq_lens = sorted({s for pts in series.values() for s in pts})
+    for i, (name, pts) in enumerate(series.items()):
       xs = sorted(pts)
       ratio_xs = [s for s in xs if "ratio_vs_cudnn_bf16" in pts[s]]
       if name == REFERENCE:
@@ -339,7 +309,7 @@ def plot(docs, out_dir):
       ax_ratio.plot(ratio_xs, [pts[s]["ratio_vs_cudnn_bf16"] for s in ratio_xs],
                     **style)
     batch_heads = {}
-    for pts in methods.values():
+    for pts in series.values():
       for s, row in pts.items():
         batch_heads[s] = row["shape"][:2]
     ticks = [f"{s}\nB{batch_heads[s][0]} H{batch_heads[s][1]}"
@@ -405,7 +375,7 @@ def main(argv=None, prog="python -m jaxattn bench"):
     for path in plot(docs, a.plot):
       print(f"wrote {path}")
     return None
-  if not has_gpu():
+  if not common.has_gpu():
     devices = ", ".join(sorted({d.platform for d in jax.devices()}))
     print(NO_GPU_MESSAGE.format(devices=devices), file=sys.stderr)
     raise SystemExit(NO_GPU_EXIT_CODE)

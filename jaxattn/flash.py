@@ -40,14 +40,17 @@ class FlashConfig(base.MethodConfig):
 
   Attributes:
     block_k: keys per block of the online softmax; None = 128 in the
-      reference and the tuned table value in the kernel.
-    block_q, num_warps, num_stages: Pallas kernel knobs (None = the table in
-      :mod:`pallas_kernels.flash`); the reference ignores them.
+      reference and the Mosaic kernel, the tuned table value in the Triton
+      kernel.
+    tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
+      table in :mod:`pallas_kernels.flash`); the reference ignores them and
+      the Mosaic kernel refuses them.
   """
   block_k: int | None = None
-  block_q: int | None = None
+  tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  RENAMED = {"block_q": "tile_q"}
 
   def __post_init__(self):
     base.check_kernel_knobs(self)
@@ -107,15 +110,6 @@ def flash_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   return out
 
 
-def _reference(precision):
-  head = functools.partial(flash_head, precision=precision)
-  return base.vmap_heads(head)
-
-
-for _p, _doc in (
-    ("fp32", "float32 scores, softmax and accumulators (high precision)"),
-    ("fp16_fp32", "float16 score matrix, the rest float32 (overflows)"),
-    ("fp16", "fully float16 flash attention"),
-):
-  base.register(base.Method(name=_p, config_cls=FlashConfig,
-                            reference=_reference(_p), doc=_doc))
+def reference(precision: str):
+  """The batched reference of ``precision`` (BTNH in, float32 out)."""
+  return base.vmap_heads(functools.partial(flash_head, precision=precision))

@@ -15,7 +15,7 @@ whose float16 scores overflow) is plain configuration: a mapping from a layer
 name *you* choose to a method, turned into one ``attention_fn`` per layer by
 :func:`attention_fns`::
 
-  choice = jaxattn.sage.choose_precision(calibration, xi_percent=30)
+  choice = jaxattn.choose_precision(calibration, xi_percent=30)
   fns = jaxattn.flax.attention_fns(choice | {"layer_5": "pasa"},
                                    default="fp32")
   blocks = [Block(..., attention_fn=fns[f"layer_{i}"]) for i in range(n)]
@@ -54,7 +54,7 @@ from typing import Any
 import flax  # noqa: F401  (the integration requires Flax to be installed)
 import jax.numpy as jnp
 
-from jaxattn import api, base, sage
+from jaxattn import api, methods, sage
 
 AttentionFn = Callable[..., Any]
 
@@ -79,7 +79,7 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
 
   Args:
     method: one of ``jaxattn.METHODS``.
-    implementation: None, "reference" or "pallas", as in
+    implementation: None, "reference", "triton" or "mosaic", as in
       ``jaxattn.dot_product_attention``.
     **options: the method's options (e.g. ``preset="sage2-4b"``); checked
       now, an unknown one raises ``TypeError``.
@@ -91,9 +91,9 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
     promoted input dtype).  Its ``method``, ``implementation`` and
     ``options`` attributes say what it computes.
   """
-  m = base.get_method(method)           # unknown method: ValueError now
+  m = methods.get(method)               # unknown method: ValueError now
   m.config_cls.from_options(**options)  # unknown option: TypeError now
-  api.resolve_implementation(implementation, m)
+  implementation = api.implementation_name(implementation)
 
   def attention_fn(query, key, value, bias=None, mask=None,
                    broadcast_dropout: bool = True, dropout_rng=None,
@@ -147,18 +147,18 @@ def layer_options(spec: str | Mapping[str, Any]) -> dict[str, Any]:
   """One layer's configuration as ``make_attention_fn`` keyword arguments.
 
   ``spec`` is a method name (``"pasa"``), a ``"sage"`` preset name
-  (``"sage2-4b"``, what ``jaxattn.sage.choose_precision`` returns per layer)
+  (``"sage2-4b"``, what ``jaxattn.choose_precision`` returns per layer)
   or a mapping ``{"method": ..., **options}`` (``"implementation"`` allowed;
   ``"method"`` defaults to ``"fp32"``, or to ``"sage"`` when ``"preset"`` is
   given).
   """
   if isinstance(spec, str):
-    if spec in base.methods():
+    if spec in methods.METHODS:
       return {"method": spec}
     if spec in sage.PRESETS:
       return {"method": "sage", "preset": spec}
     raise ValueError(f"unknown attention {spec!r}: not a method "
-                     f"{tuple(base.methods())} nor a sage preset "
+                     f"{tuple(methods.METHODS)} nor a sage preset "
                      f"{tuple(sage.PRESETS)}")
   if isinstance(spec, Mapping):
     spec = dict(spec)
@@ -192,7 +192,7 @@ def attention_fns(config: Mapping[str, str | Mapping[str, Any]], *,
   Args:
     config: ``{layer name: spec}``, names of your choosing (``"layer_3"``,
       or ``(layer, timestep)`` keys); ``spec`` as in :func:`layer_options`,
-      so the output of ``jaxattn.sage.choose_precision`` is accepted as is.
+      so the output of ``jaxattn.choose_precision`` is accepted as is.
     default: the spec of layers not in ``config`` (None: such a name raises
       ``KeyError``).
     implementation: for every layer whose spec does not name one.

@@ -66,15 +66,16 @@ class FmhaConfig(base.MethodConfig):
       None (or a missing key) = dynamic amax.
     return_int8: return ``(o_int8, o_scale)`` instead of the dequantised
       output.
-    block_q, num_warps, num_stages: Pallas kernel knobs (None = the table in
-      :mod:`pallas_kernels.quantized`); the reference ignores them.
+    tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
+      table in :mod:`pallas_kernels.quantized`); the reference ignores them.
   """
   block_k: int = base.DEFAULT_BLOCK_K
   amax: tuple | None = None
   return_int8: bool = False
-  block_q: int | None = None
+  tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  RENAMED = {"block_q": "tile_q"}
 
   def __post_init__(self):
     base.check_kernel_knobs(self)
@@ -117,22 +118,15 @@ def normalize_amax(amax) -> tuple[tuple[str, float], ...] | None:
   return tuple(sorted(out))
 
 
-def _visible_rows(x, kv_lens):
-  """BTNH ``x`` with the rows ``s >= kv_lens[b]`` set to zero."""
-  rows = jnp.arange(x.shape[1])[None, :, None, None]
-  return jnp.where(rows < kv_lens[:, None, None, None], x, jnp.zeros_like(x))
-
-
 def fmha_amax(q, k, v, kv_lens=None, *, config: FmhaConfig) -> dict:
   """``{"q", "k", "v"}`` float32 scalars: static values from the config or
   ``max|x|`` over the batched tensor (visible key rows only for k and v)."""
   static = config.amax_dict
-  b, s = k.shape[0], k.shape[1]
-  kv_lens = (jnp.full((b,), s, jnp.int32) if kv_lens is None
-             else jnp.asarray(kv_lens, jnp.int32))
+  kv_lens = base.kv_lengths(kv_lens, k.shape[0], k.shape[1])
   f32 = jnp.float32
-  tensors = dict(q=q.astype(f32), k=_visible_rows(k.astype(f32), kv_lens),
-                 v=_visible_rows(v.astype(f32), kv_lens))
+  tensors = dict(q=q.astype(f32),
+                 k=base.zero_beyond(k.astype(f32), kv_lens, axis=1),
+                 v=base.zero_beyond(v.astype(f32), kv_lens, axis=1))
   return {name: (jnp.asarray(static[name], f32) if name in static
                  else jnp.abs(x).max()) for name, x in tensors.items()}
 
@@ -145,15 +139,13 @@ def fmha_quantize(q, k, v, kv_lens=None, *, config: FmhaConfig) -> dict:
   scales ``q_scale = a_q * fl(1/127)`` etc. (float32 scalars).  These are
   exactly the values the reference computes with.
   """
-  b, s = k.shape[0], k.shape[1]
-  kv_lens = (jnp.full((b,), s, jnp.int32) if kv_lens is None
-             else jnp.asarray(kv_lens, jnp.int32))
+  kv_lens = base.kv_lengths(kv_lens, k.shape[0], k.shape[1])
   amax = fmha_amax(q, k, v, kv_lens, config=config)
   out = {}
   for name, x in (("q", q), ("k", k), ("v", v)):
     x = x.astype(jnp.float32)
     if name != "q":
-      x = _visible_rows(x, kv_lens)
+      x = base.zero_beyond(x, kv_lens, axis=1)
     sc = amax[name] * RCP_QMAX
     out[name] = quant.quantize_int(x, quant.reciprocal(sc))
     out[f"a_{name}"] = amax[name]
@@ -246,12 +238,6 @@ def reference(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   if config.return_int8:
     return o_i8, o_scale
   return o_i8.astype(jnp.float32) * o_scale
-
-
-base.register(base.Method(
-    name="fmha_int8", config_cls=FmhaConfig, reference=reference,
-    doc="8-bit FMHA: per-tensor static/dynamic amax int8 Q/K/V/O, uint8 P",
-    quantized=True))
 
 
 __all__ = ["FmhaConfig", "normalize_amax", "fmha_amax", "fmha_quantize",

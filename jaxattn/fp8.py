@@ -63,11 +63,6 @@ class Fp8Config(base.MethodConfig):
                        f"{self.granularity!r}")
 
 
-def _zero_padding(x, kv_len):
-  rows = jnp.arange(x.shape[0])[:, None]
-  return jnp.where(rows < kv_len, x, jnp.zeros_like(x))
-
-
 def _quantize(x, group: int | None):
   """``(x8, scale)``: one scale (``group`` None) or one per ``group`` rows."""
   if group is None:
@@ -92,8 +87,8 @@ def quantize_head(q, k, v, kv_len, *, config: Fp8Config) -> dict:
   f32 = jnp.float32
   block = config.granularity == "block"
   q = q.astype(f32)
-  k = _zero_padding(k.astype(f32), kv_len)
-  v = _zero_padding(v.astype(f32), kv_len)
+  k = base.zero_beyond(k.astype(f32), kv_len)
+  v = base.zero_beyond(v.astype(f32), kv_len)
   q8, sq = _quantize(q, config.block_q if block else None)
   k8, sk = _quantize(k, config.block_k if block else None)
   v8, sv = _quantize(v, config.block_k if block else None)
@@ -111,9 +106,7 @@ def fp8_quantize(q, k, v, kv_len, *, config: Fp8Config) -> dict:
   if q.ndim == 2:
     return quantize_head(q, k, v, jnp.asarray(kv_len, jnp.int32),
                          config=config)
-  b, s = k.shape[0], k.shape[1]
-  kv_len = (jnp.full((b,), s, jnp.int32) if kv_len is None
-            else jnp.asarray(kv_len, jnp.int32))
+  kv_len = base.kv_lengths(kv_len, k.shape[0], k.shape[1])
   block = config.granularity == "block"
 
   def one_q(q1):
@@ -183,12 +176,6 @@ def fp8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
 
 reference = base.vmap_heads(fp8_head)
-
-base.register(base.Method(
-    name="fp8", config_cls=Fp8Config, reference=reference,
-    doc="FlashAttention-3-style FP8: e4m3 Q/K/V/P, per-tensor or per-block "
-        "descales, float32 accumulation",
-    quantized=True))
 
 
 __all__ = ["Fp8Config", "quantize_head", "fp8_quantize", "fp8_head",

@@ -72,15 +72,17 @@ class Int8Config(base.MethodConfig):
       ``"block"`` (one per key block).
     pv_dtype: ``"int8"`` (full INT8: int8 P and V) or ``"fp16"`` (half-INT8:
       float16 P and V).
-    block_q, num_warps, num_stages: Pallas kernel knobs (None = the table in
-      :mod:`pallas_kernels.quantized`); the reference ignores them.
+    tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
+      table in :mod:`pallas_kernels.quantized`); the reference ignores them
+      and the Mosaic kernel refuses them.
   """
   block_k: int = base.DEFAULT_BLOCK_K
   v_granularity: str = "tensor"
   pv_dtype: str = "int8"
-  block_q: int | None = None
+  tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  RENAMED = {"block_q": "tile_q"}
 
   def __post_init__(self):
     base.check_kernel_knobs(self)
@@ -92,22 +94,17 @@ class Int8Config(base.MethodConfig):
                        f"{self.pv_dtype!r}")
 
 
-def _zero_padding(x, kv_len):
-  """Rows of ``x`` ``[S, ...]`` at or beyond ``kv_len`` set to zero."""
-  rows = jnp.arange(x.shape[0]).reshape(-1, *[1] * (x.ndim - 1))
-  return jnp.where(rows < kv_len, x, jnp.zeros_like(x))
-
-
-def _quantize(x, s):
+def quantize_scaled(x, s):
+  """``clip(round(x * fl(1/s)), -R, R)`` as int8 (``s`` broadcasts)."""
   return quant.quantize_int(x, quant.reciprocal(s))
 
 
-def _per_token(x):
+def quantize_per_token(x):
   """``(clip(round(x * fl(1/s))), s)`` with ``s = rowmax|x| * fl(1/R)`` over
   the last axis (float32)."""
   x = x.astype(jnp.float32)
   s = jnp.abs(x).max(axis=-1) * RCP_R
-  return _quantize(x, s[..., None]), s
+  return quantize_scaled(x, s[..., None]), s
 
 
 def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
@@ -123,20 +120,20 @@ def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
     ``kv_len`` are zero (scales included).
   """
   f32 = jnp.float32
-  k = _zero_padding(k.astype(f32), kv_len)
-  v = _zero_padding(v.astype(f32), kv_len)
-  k_i8, sk = _per_token(k)
+  k = base.zero_beyond(k.astype(f32), kv_len)
+  v = base.zero_beyond(v.astype(f32), kv_len)
+  k_i8, sk = quantize_per_token(k)
   out = dict(k=k_i8, k_scale=sk)
   if config.pv_dtype == "fp16":
     out["v"] = v.astype(jnp.float16)
     return out
   if config.v_granularity == "tensor":
     sv = jnp.abs(v).max() * RCP_R
-    out["v"] = _quantize(v, sv)
+    out["v"] = quantize_scaled(v, sv)
   else:
     sv = quant.group_absmax(v, config.block_k) * RCP_R
     rows = quant.expand_groups(sv, config.block_k, v.shape[0])
-    out["v"] = _quantize(v, rows[:, None])
+    out["v"] = quantize_scaled(v, rows[:, None])
   out["v_scale"] = sv
   return out
 
@@ -144,7 +141,7 @@ def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
 def quantize_head(q, k, v, kv_len, *, config: Int8Config) -> dict:
   """The quantisation of one head: :func:`quantize_kv_head`'s dict plus
   ``q`` int8 ``[T, D]`` and ``q_scale`` float32 ``[T]``."""
-  q_i8, sq = _per_token(q)
+  q_i8, sq = quantize_per_token(q)
   return dict(q=q_i8, q_scale=sq,
               **quantize_kv_head(k, v, kv_len, config=config))
 
@@ -164,9 +161,7 @@ def int8_quantize(q, k, v, kv_len, *, config: Int8Config) -> dict:
   if q.ndim == 2:
     return quantize_head(q, k, v, jnp.asarray(kv_len, jnp.int32),
                          config=config)
-  b, s = k.shape[0], k.shape[1]
-  kv_len = (jnp.full((b,), s, jnp.int32) if kv_len is None
-            else jnp.asarray(kv_len, jnp.int32))
+  kv_len = base.kv_lengths(kv_len, k.shape[0], k.shape[1])
 
   def one(k1, v1, n):
     return quantize_kv_head(k1, v1, n, config=config)
@@ -176,7 +171,7 @@ def int8_quantize(q, k, v, kv_len, *, config: Int8Config) -> dict:
   kv = f(k, v, kv_len)  # head axis last
   out = {name: jnp.moveaxis(x, -1, 2) if x.ndim > 3 else x
          for name, x in kv.items()}
-  q_i8, sq = _per_token(q)
+  q_i8, sq = quantize_per_token(q)
   return dict(q=q_i8, q_scale=sq, **out)
 
 
@@ -233,12 +228,7 @@ def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
 reference = base.vmap_heads(int8_head)
 
-base.register(base.Method(
-    name="int8", config_cls=Int8Config, reference=reference,
-    doc="INT-FlashAttention: token-level int8 Q/K, int8 V and P (int32 "
-        "matmuls); pv_dtype='fp16' is the half-INT8 variant",
-    quantized=True))
 
-
-__all__ = ["Int8Config", "quantize_kv_head", "quantize_head", "int8_quantize",
+__all__ = ["Int8Config", "quantize_per_token", "quantize_scaled",
+           "quantize_kv_head", "quantize_head", "int8_quantize",
            "int8_head", "reference"]

@@ -98,15 +98,17 @@ class PasaConfig(base.MethodConfig):
     block_k: keys per block (``s2``, the size of the shifting matrix).
     compute_dtype: ``"float16"`` (the paper), or ``"float32"``/``"float64"``
       to check the mathematical equivalence (reference only).
-    block_q, num_warps, num_stages: Pallas kernel knobs (None = the table in
-      :mod:`pallas_kernels.flash`); the reference ignores them.
+    tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
+      table in :mod:`pallas_kernels.flash`); the reference ignores them and
+      the Mosaic kernel refuses them.
   """
   beta: float | None = None
   block_k: int = base.DEFAULT_BLOCK_K
   compute_dtype: str = "float16"
-  block_q: int | None = None
+  tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
+  RENAMED = {"block_q": "tile_q"}
 
   def __post_init__(self):
     base.check_kernel_knobs(self)
@@ -255,10 +257,6 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
 
 reference = base.vmap_heads(pasa_head)
-
-base.register(base.Method(
-    name="pasa", config_cls=PasaConfig, reference=reference,
-    doc="PASA: float16 attention with online pseudo-average shifting"))
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "shift_keys",

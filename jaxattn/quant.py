@@ -16,7 +16,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+# Shared with the kernels, which compute the same values.
+from pallas_kernels.common import FP8_MAX, int4_halves, round_probability
 
 
 def qmax(bits: int) -> int:
@@ -24,14 +25,6 @@ def qmax(bits: int) -> int:
   if bits not in (4, 8):
     raise ValueError(f"bits must be 4 or 8, got {bits}")
   return 2 ** (bits - 1) - 1
-
-
-def round_probability(p, levels: int):
-  """``floor(levels * p + 1/2)`` for ``p`` in ``[0, 1]``: the quantized
-  probabilities of INT-FlashAttention (127) and the 8-bit FMHA (255).  Ties
-  round up rather than to even, as the kernels compute it (the Triton
-  lowering has no ``round``); float32 ties are all but absent here."""
-  return jnp.floor(levels * p + 0.5)
 
 
 def group_absmax(x, group: int, axis: int = 0):
@@ -91,13 +84,6 @@ def pack_int4_halves(x):
   return (x[..., :n // 2] & 0xF) | (x[..., n // 2:] << 4)
 
 
-def int4_halves(packed):
-  """``(lo, hi)``: the two int8 halves of :func:`pack_int4_halves`' bytes,
-  sign-extended by arithmetic shifts (``lo = (p << 4) >> 4``, ``hi = p >>
-  4``), as the kernel unpacks them in registers."""
-  return (packed << 4) >> 4, packed >> 4
-
-
 def unpack_int4_halves(packed):
   """Inverse of :func:`pack_int4_halves`: int8 ``[..., n/2]`` -> int8
   ``[..., n]``."""
@@ -132,7 +118,7 @@ def _above_next_midpoint(s, u):
 def reciprocal(scale):
   """``fl(1 / scale)`` in float32, correctly rounded, with ``1 / 0 := 0``.
 
-  XLA's float32 division on the GPU is not correctly rounded (run33: 14% of
+  XLA's float32 division on the GPU is not correctly rounded (about 14% of
   ``1 / s`` one ulp off on an H100), which flipped quantized values against
   the Pallas kernels' ``div.rn``; the quotient is therefore corrected by up
   to two ulps with an exact integer midpoint test

@@ -425,7 +425,7 @@ def main(argv=None):
   p.add_argument("--json", default="", help="write the numbers as JSON here")
   p.add_argument("--quick", action="store_true", help="small shapes")
   p.add_argument("--implementation", default="reference",
-                 choices=["reference", "pallas"])
+                 choices=["reference", "triton"])
   p.add_argument("--plot", default="", metavar="DIR",
                  help="also run the PASA Figures 9-10 sweep and write PNG "
                  "plots here (needs matplotlib)")

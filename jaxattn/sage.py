@@ -89,7 +89,7 @@ Decisions beyond the paper:
 * int4 values are held in int8 containers (range [-7, 7]).  The Triton
   kernel takes them packed two per byte in halves of the head dim
   (:func:`jaxattn.quant.pack_int4_halves`, through
-  :func:`pallas_kernels.prepare.kernel_inputs`) and unpacks them to int8 in
+  :func:`jaxattn.operands.quantized_operands`) and unpacks them to int8 in
   registers: the same values, half the bytes.
 * The user ``bias`` (natural-log units, as ``jax.nn.dot_product_attention``)
   is multiplied by ``float32(log2 e)`` and added after ``dS``.
@@ -99,7 +99,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -204,10 +203,10 @@ class SageConfig(base.MethodConfig):
 def log2_scale(scale: float) -> jax.Array:
   """``c = float32(scale * log2(e))`` (one rounding of the float64 product),
   the factor folded into the query scales and the smoothing bias."""
-  return jnp.float32(float(scale) * math.log2(math.e))
+  return jnp.float32(float(scale) * base.LOG2E)
 
 
-def _rounded(x):
+def rounded(x):
   """``x`` materialised behind an optimisation barrier, so that later uses
   see the float32-rounded value: XLA would otherwise contract ``y - a * b``
   into a fused multiply-add, or reassociate ``(amax * fl(1/7)) * c`` into
@@ -215,12 +214,15 @@ def _rounded(x):
   return jax.lax.optimization_barrier(x)
 
 
-def _q_group(config: SageConfig, t_pad: int) -> int:
+def q_group_rows(config: SageConfig, t_pad: int) -> int:
+  """Query rows per Q scale of ``config``'s granularity (``t_pad``: the
+  padded query length, one group for "tensor")."""
   return {"token": 1, "warp": config.warp_rows, "block": config.block_q,
           "tensor": t_pad}[config.qk_granularity]
 
 
-def _k_group(config: SageConfig, s: int) -> int:
+def k_group_rows(config: SageConfig, s: int) -> int:
+  """Keys per K scale of ``config``'s granularity (``s`` for "tensor")."""
   return {"token": 1, "warp": config.block_k, "block": config.block_k,
           "tensor": s}[config.qk_granularity]
 
@@ -229,7 +231,7 @@ def _row_scales(x, group: int, bits: int):
   """Per-row expanded scales ``amax(group) / qmax`` of ``x`` ``[n, D]``."""
   n = x.shape[0]
   rcp_qmax = np.float32(1.0 / quant.qmax(bits))  # amax * fl(1/qmax)
-  per_group = _rounded(quant.group_absmax(x, group) * rcp_qmax)
+  per_group = rounded(quant.group_absmax(x, group) * rcp_qmax)
   return quant.expand_groups(per_group, max(1, min(group, n)), n)
 
 
@@ -256,16 +258,16 @@ def quantize_kv_head(k, v, kv_len, *, config: SageConfig) -> dict:
   v = jnp.where(valid, v.astype(f32), 0.0)
   zeros_k = jnp.zeros((k.shape[1],), f32)
   zeros_v = jnp.zeros((v.shape[1],), f32)
-  k_mean = _rounded(k.sum(axis=0) * rcp_count) if config.smooth_k else zeros_k
-  v_mean = _rounded(v.sum(axis=0) * rcp_count) if config.smooth_v else zeros_v
+  k_mean = rounded(k.sum(axis=0) * rcp_count) if config.smooth_k else zeros_k
+  v_mean = rounded(v.sum(axis=0) * rcp_count) if config.smooth_v else zeros_v
   ks = jnp.where(valid, k - k_mean, 0.0)
   vs = jnp.where(valid, v - v_mean, 0.0)
-  k_scale = _row_scales(ks, _k_group(config, s), config.bits)
+  k_scale = _row_scales(ks, k_group_rows(config, s), config.bits)
   out = dict(k=quant.quantize_int(
                  ks, quant.reciprocal(k_scale)[:, None], config.bits),
              k_scale=k_scale, k_mean=k_mean, k_smoothed=ks, v_mean=v_mean)
   if config.pv_dtype == "fp8":
-    v_scale = _rounded(jnp.abs(vs).max(axis=0) * RCP_FP8_MAX)
+    v_scale = rounded(jnp.abs(vs).max(axis=0) * RCP_FP8_MAX)
     out["v"] = quant.quantize_fp8(vs, quant.reciprocal(v_scale)[None, :])
     out["v_scale"] = v_scale
   else:
@@ -297,7 +299,7 @@ def quantize_q_head(q, k_smoothed, *, scale: float, config: SageConfig
   qb = jnp.where(real, qp.reshape(nqb, bq, d), 0.0)
   if config.smooth_q:
     counts = jnp.clip(t - jnp.arange(nqb) * bq, 1, bq).astype(f32)
-    q_mean = _rounded(qb.sum(axis=1) * quant.reciprocal(counts)[:, None])
+    q_mean = rounded(qb.sum(axis=1) * quant.reciprocal(counts)[:, None])
     smooth_bias = jnp.dot(q_mean, k_smoothed.T,
                           precision=jax.lax.Precision.HIGHEST,
                           preferred_element_type=f32)
@@ -305,7 +307,7 @@ def quantize_q_head(q, k_smoothed, *, scale: float, config: SageConfig
     q_mean = jnp.zeros((nqb, d), f32)
     smooth_bias = jnp.zeros((nqb, k_smoothed.shape[0]), f32)
   qs = jnp.where(real, qb - q_mean[:, None, :], 0.0).reshape(nqb * bq, d)
-  q_scale = _row_scales(qs, _q_group(config, nqb * bq), config.bits)[:t]
+  q_scale = _row_scales(qs, q_group_rows(config, nqb * bq), config.bits)[:t]
   qs = qs[:t]
   return dict(q=quant.quantize_int(
                   qs, quant.reciprocal(q_scale)[:, None], config.bits),
@@ -371,8 +373,7 @@ def _sage_quantize(q, k, v, kv_len, *, scale, config):
                          scale=scale, config=config)
   b, t, nq, d = q.shape
   s, nk = k.shape[1], k.shape[2]
-  kv_len = (jnp.full((b,), s, jnp.int32) if kv_len is None
-            else jnp.asarray(kv_len, jnp.int32))
+  kv_len = base.kv_lengths(kv_len, b, s)
   kv_fn = lambda k1, v1, n: quantize_kv_head(k1, v1, n, config=config)
   kv = jax.vmap(jax.vmap(kv_fn, in_axes=(1, 1, None)))(k, v, kv_len)
   ksm = kv.pop("k_smoothed")  # [B, K, S, D]
@@ -418,7 +419,7 @@ def sage_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     xs["ds"] = base.column_blocks(ds_rows, bk)
   if bias is not None:
     xs["bias"] = base.column_blocks(
-        bias.astype(f32) * f32(math.log2(math.e)), bk)
+        bias.astype(f32) * f32(base.LOG2E), bk)
   q_i8, q_sc = z["q"], z["q_scale_folded"]
 
   def step(carry, x):
@@ -454,53 +455,7 @@ def sage_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
 reference = base.vmap_heads(sage_head)
 
-base.register(base.Method(
-    name="sage", config_cls=SageConfig, reference=reference,
-    doc="SageAttention2: smoothed int8/int4 QK (per-warp scales), fp8 PV "
-        "with per-channel V scales; presets sage2-8b, sage2-4b, sage1",
-    quantized=True))
-
-
-def choose_precision(calibration, *, xi_percent: float, low: str = "sage2-4b",
-                     high: str = "sage2-8b", is_causal: bool = False,
-                     implementation: str | None = None,
-                     return_scores: bool = False):
-  """SageAttn-mix: the per-layer 4-bit / 8-bit choice of the SageAttention2
-  report.
-
-  For each key of ``calibration`` (a layer, or a ``(layer, timestep)`` pair
-  for diffusion models) mapping to calibration inputs ``(q, k, v)`` (BTNH),
-  measures ``accuracy = cossim * (1 - relative L1)`` of the ``low`` preset
-  against float32 attention, and assigns the ``high`` preset to the worst
-  ``xi_percent`` percent of the keys (rounded up), ``low`` to the rest.  The
-  paper's xi: Llama2 50, CogVideoX 60, Open-Sora 25, Llama3.1 / GLM4 30.
-
-  Returns the plain mapping ``{key: preset}`` to pass back as
-  ``sage_attention(..., preset=choice[key])`` (and the accuracies
-  ``{key: float}`` too if ``return_scores``).
-  """
-  from jaxattn import api, metrics  # the API imports this module
-  if not 0.0 <= xi_percent <= 100.0:
-    raise ValueError(f"xi_percent must be in [0, 100], got {xi_percent}")
-  for preset in (low, high):
-    if preset not in PRESETS:
-      raise ValueError(f"unknown preset {preset!r}; valid: {sorted(PRESETS)}")
-  scores = {}
-  for key, (q, k, v) in calibration.items():
-    ref = api.dot_product_attention(
-        *(jnp.asarray(x, jnp.float32) for x in (q, k, v)), method="fp32",
-        is_causal=is_causal, implementation="reference")
-    out = api.dot_product_attention(q, k, v, method="sage", preset=low,
-                                    is_causal=is_causal,
-                                    implementation=implementation)
-    scores[key] = (metrics.cosine_similarity(out, ref)
-                   * (1.0 - metrics.relative_l1(out, ref)))
-  n_high = math.ceil(len(scores) * xi_percent / 100.0)
-  worst = set(sorted(scores, key=lambda key: scores[key])[:n_high])
-  choice = {key: high if key in worst else low for key in scores}
-  return (choice, scores) if return_scores else choice
-
-
-__all__ = ["SageConfig", "PRESETS", "SAGE_PRESETS", "log2_scale",
-           "quantize_kv_head", "quantize_q_head", "quantize_head",
-           "sage_quantize", "sage_head", "reference", "choose_precision"]
+__all__ = ["SageConfig", "PRESETS", "SAGE_PRESETS", "log2_scale", "rounded",
+           "q_group_rows", "k_group_rows", "quantize_kv_head",
+           "quantize_q_head", "quantize_head", "sage_quantize", "sage_head",
+           "reference"]

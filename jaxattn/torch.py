@@ -163,7 +163,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     dropout_p: must be 0 (no dropout).
     key_value_seq_lengths: ints ``[B]`` (tensor or sequence); keys at or
       beyond are masked.
-    implementation: None, "reference" or "pallas" (as jaxattn).
+    implementation: None, "reference", "triton" or "mosaic" (as
+      ``jaxattn.dot_product_attention``).
 
   Returns:
     The output in ``q``'s layout and dtype (float16 for float8 ``q``), on

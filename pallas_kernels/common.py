@@ -1,13 +1,23 @@
-"""Pieces shared by the Pallas kernels: the key-block range of a query block,
-the visibility mask, padding and the interpret-mode switch."""
+"""Pieces shared by the kernels: constants, the GPU probes and the
+interpret-mode switch, exact rounding, padding, the key-block range of a
+query block and the visibility mask.
+
+This is the bottom of the dependency graph: nothing here (or anywhere in
+``pallas_kernels``) imports ``jaxattn``.  The references in ``jaxattn``
+import the few numeric helpers they share with the kernels from here.
+"""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental.pallas import triton as pl_triton
+
+LOG2E = math.log2(math.e)
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -19,9 +29,44 @@ class KernelParams:
   num_stages: int
 
 
+def has_gpu() -> bool:
+  """jax's default backend is a GPU."""
+  try:
+    return jax.devices()[0].platform == "gpu"
+  except RuntimeError:
+    return False
+
+
+def is_hopper() -> bool:
+  """A compute capability 9.x GPU (H100, H200): the Mosaic kernel's target."""
+  return has_gpu() and str(
+      getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+
+
 def interpret() -> bool:
   """Pallas interpret mode when jax has no GPU (how CI runs the kernels)."""
-  return jax.devices()[0].platform != "gpu"
+  return not has_gpu()
+
+
+def exp_f32(x):
+  """``exp(x)`` as the kernels take it: ``exp2(x * log2 e)`` in float32."""
+  return jnp.exp2(x.astype(jnp.float32) * LOG2E)
+
+
+def round_probability(p, levels: int):
+  """``floor(levels * p + 1/2)`` for ``p`` in ``[0, 1]``: the quantized
+  probabilities of INT-FlashAttention (127) and the 8-bit FMHA (255).  Ties
+  round up rather than to even, as the kernels compute it (the Triton
+  lowering has no ``round``); float32 ties are all but absent here."""
+  return jnp.floor(levels * p + 0.5)
+
+
+def int4_halves(packed):
+  """``(lo, hi)``: the two int8 halves of int4 values packed two per byte in
+  halves of the last axis (``jaxattn.quant.pack_int4_halves``),
+  sign-extended by arithmetic shifts (``lo = (p << 4) >> 4``, ``hi = p >>
+  4``), as the kernel unpacks them in registers."""
+  return (packed << 4) >> 4, packed >> 4
 
 
 def round_half_even(y):

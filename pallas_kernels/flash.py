@@ -1,26 +1,25 @@
-"""Flash-attention forward kernel (Pallas, Triton lowering) for the methods
-"fp32", "fp16_fp32", "fp16" and "pasa", next to the references it mirrors
-(:mod:`jaxattn.flash`, :mod:`jaxattn.pasa`).
+"""Flash-attention forward kernel (Pallas, Triton lowering) with static
+precision flags: ``"fp32"``, ``"fp16_fp32"``, ``"fp16"`` (the precision
+allocations of the PASA paper, section 1) and ``"pasa"`` (PASA's float16
+softmax with the online pseudo-average, steps 1-6 of Algorithm 1).
 
-One kernel body, per head and per query block, with static flags: the
-precision allocation, causal masking, an optional bias and mask, and the
-log-sum-exp output.  Batch and heads are grid axes indexing the BTNH arrays in
-place (the equivalent of vmapping the per-head kernel, without the transposes
-that ``jax.vmap`` of a ``pallas_call`` costs); query heads of a group share
-their key/value head without repeating it.  Lengths are padded outside the
-kernel to whole blocks (only when needed); the kernel masks keys at or beyond
-``kv_len``, runs the key blocks every row sees without any mask, and skips
-the key blocks that no row of the query block can see (causal, padding).
+One kernel body, per head and per query block: the precision allocation,
+causal masking, an optional bias and mask, and the log-sum-exp output.  Batch
+and heads are grid axes indexing the BTNH arrays in place (the equivalent of
+vmapping the per-head kernel, without the transposes that ``jax.vmap`` of a
+``pallas_call`` costs); query heads of a group share their key/value head
+without repeating it.  Lengths are padded outside the kernel to whole blocks
+(only when needed); the kernel masks keys at or beyond ``kv_len``, runs the
+key blocks every row sees without any mask, and skips the key blocks that no
+row of the query block can see (causal, padding).
 
-PASA: the keys are shifted once per key block by the shifting-matrix matmul
-(:func:`jaxattn.pasa.shift_keys`, the paper's batched-GEMM pre-processing),
-and the kernel runs steps 1-6 of Algorithm 1 in float16 exactly as
-:func:`jaxattn.pasa.pasa_head` does.
+For ``"pasa"`` the caller passes keys already shifted once per key block by
+the shifting matrix and scaled by the softmax scale (PASA's batched-GEMM
+pre-processing), and ``scale`` is ``fl16(beta / (1 - beta))``.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -28,17 +27,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxattn import base
-from jaxattn import pasa as pasa_ref
 from pallas_kernels import common
+from pallas_kernels.common import LOG2E
 
-LOG2E = math.log2(math.e)
-
+PRECISIONS = ("fp32", "fp16_fp32", "fp16", "pasa")
 
 # (precision, head_dim_padded) -> (block_q, block_k, num_warps, num_stages):
 # the best of benchmarks/sweep.py on an H100 (B=2 H=32 S=8192 D=128 and
-# B=4 H=32 S=4096 D=64, benchmarks/README.md); 256 is a guess that fits the
-# registers.
+# B=4 H=32 S=4096 D=64); 256 is a guess that fits the registers.
 _TABLE = {
     ("fp32", 64): (64, 128, 4, 2),
     ("fp32", 128): (128, 64, 4, 2),
@@ -49,20 +45,12 @@ _TABLE = {
 }
 
 
-def kernel_params(precision: str, head_dim_padded: int,
-                  config) -> common.KernelParams:
-  """Block sizes, warps and stages: the table, overridden by ``config``."""
+def default_params(precision: str, head_dim: int) -> common.KernelParams:
+  """The tuned block sizes, warps and stages for ``precision`` at
+  ``head_dim`` (padded to a power of two, 64 to 256)."""
   key = "pasa" if precision == "pasa" else "fp32"
-  d = min(max(head_dim_padded, 64), 256)
-  bq, bk, warps, stages = _TABLE[(key, d)]
-  if precision == "pasa":
-    bk = config.block_k  # the shifting matrix's size: part of the algorithm
-  elif config.block_k is not None:
-    bk = config.block_k
-  return common.KernelParams(
-      block_q=config.block_q or bq, block_k=bk,
-      num_warps=config.num_warps or warps,
-      num_stages=config.num_stages or stages)
+  d = min(max(pl.next_power_of_2(head_dim), 64), 256)
+  return common.KernelParams(*_TABLE[(key, d)])
 
 
 def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
@@ -127,8 +115,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
         e = jnp.exp2(s * c - m_ref[:, None])
         alpha = jnp.exp2(m - m_ref)
       else:
-        e = base.exp_f32(s - m_ref[:, None])
-        alpha = base.exp_f32(m - m_ref).astype(stat)
+        e = common.exp_f32(s - m_ref[:, None])
+        alpha = common.exp_f32(m - m_ref).astype(stat)
       l = alpha * l + jnp.sum(e, axis=1).astype(stat)
       pv = lax.dot_general(e.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=f32)
@@ -137,7 +125,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
     # PASA steps 1-6 (float16), as jaxattn.pasa.pasa_head.
     m_loc = jnp.max(s, axis=1)
     m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc).astype(f16)
-    e = base.exp_f32(s - m_ref[:, None])
+    e = common.exp_f32(s - m_ref[:, None])
     l_loc = jnp.sum(e, axis=1).astype(f16)
     p = e.astype(f16)
     jn = count + 1
@@ -148,8 +136,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    e_prev = base.exp_f32(dm_prev).astype(f16)
-    e_cur = base.exp_f32(dm_cur).astype(f16)
+    e_prev = common.exp_f32(dm_prev).astype(f16)
+    e_cur = common.exp_f32(dm_cur).astype(f16)
     l_new = e_prev * l + e_cur * l_loc
     pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                          preferred_element_type=f32).astype(f16)
@@ -186,36 +174,38 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
     lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
 
 
-def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-                    precision, return_lse=False):
-  """Batched flash attention through the Pallas kernel.
+def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
+                    is_causal, precision, params, return_lse=False):
+  """Batched flash attention through the kernel.
 
-  Args: as the references (BTNH ``q [B, T, N, D]``, ``k, v [B, S, K, D]``,
-    bias/mask ``[B, N, T, S]`` or None, ``kv_lens`` int32 ``[B]``).
-  Returns: ``[B, T, N, D]`` (float16 for the float16 methods, the input
+  Args:
+    q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]`` (``N`` a multiple of ``K``;
+      for ``"pasa"`` k holds the shifted, scaled float16 keys); kv_lens int32
+      ``[B]``; bias (float, natural-log units) and mask (bool) ``[B, N, T,
+      S]`` or None.
+    scale: the softmax scale (``"pasa"``: ``fl16(beta / (1 - beta))``).
+    precision: one of :data:`PRECISIONS` (static).
+    params: block sizes, warps and stages (:func:`default_params`).
+  Returns: ``[B, T, N, D]`` (float16 for the float16 precisions, the input
     dtype for "fp32"), and the float32 log-sum-exp ``[B, N, T]`` if
     ``return_lse``.
 
   The grid is (query blocks, batch, query heads); query head ``h`` reads
   key/value head ``h // (N // K)``, so K and V are never repeated.  Inputs are
   only copied when a length is not a whole number of blocks or the head dim
-  not a power of two (PASA additionally writes its shifted keys).
+  not a power of two.
   """
+  if precision not in PRECISIONS:
+    raise ValueError(f"precision must be one of {PRECISIONS}, got "
+                     f"{precision!r}")
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
   group = n // nk
   d_pad = max(pl.next_power_of_2(d), 16)
-  params = kernel_params(precision, d_pad, config)
   bq = min(params.block_q, max(16, pl.next_power_of_2(t)))
   bk = params.block_k
   in_dtype = q.dtype if precision == "fp32" else jnp.float16
-  q, v = q.astype(in_dtype), v.astype(in_dtype)
-  if precision == "pasa":  # the shifting-matrix matmul per key block
-    k, kernel_scale = pasa_ref.kernel_keys(k, kv_lens, scale=scale,
-                                           config=config)
-  else:
-    k = k.astype(in_dtype)
-    kernel_scale = scale
+  q, k, v = q.astype(in_dtype), k.astype(in_dtype), v.astype(in_dtype)
   t_pad = -(-t // bq) * bq
   s_pad = -(-s_len // bk) * bk
   q = common.pad_axis(common.pad_axis(q, 1, t_pad), 3, d_pad)
@@ -242,7 +232,7 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
     out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)))
   kernel = functools.partial(
-      _flash_kernel, scale=kernel_scale, is_causal=is_causal,
+      _flash_kernel, scale=scale, is_causal=is_causal,
       precision=precision, block_q=bq, block_k=bk, has_bias=bias is not None,
       has_mask=mask is not None, return_lse=return_lse)
   outs = pl.pallas_call(
@@ -258,6 +248,3 @@ def flash_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
     return out, outs[1][:, :, :t]
   return out
 
-
-for _p in ("fp32", "fp16_fp32", "fp16", "pasa"):
-  base.attach_pallas(_p, functools.partial(flash_attention, precision=_p))

@@ -35,10 +35,11 @@ Operand types (static ``qk`` / ``pv``):
 Algorithm 1 (steps 1-6) in float16 with the online pseudo-average, the
 per-block ``P V`` rounded to float16 and added into a float16 ``O``.
 
-8-bit P goes from registers to a shared-memory tile and is read by the
-wgmma from there (the register path needs the 8-bit wgmma operand layout,
-which Mosaic GPU does not convert to from the accumulator layout).  The
-epilogue computes ``O / l`` and, where given, ``* out_scale + out_shift`` per
+8-bit P feeds the PV wgmma from registers: the accumulator-layout
+registers are reinterpreted as the 8-bit operand layout without moving data
+(:func:`_as_8bit_operand`), which reads each 16-key chunk in a fixed
+permutation; V's keys are stored in that order by the quantizer
+(:func:`pallas_kernels.quantizers.key_order`).  The epilogue computes ``O / l`` and, where given, ``* out_scale + out_shift`` per
 channel (V's scale and mean).
 
 Keys at or beyond ``kv_lens[b]`` are masked (only the last block pays for
@@ -46,9 +47,9 @@ it) and never loaded past; causal masking is top-left aligned and skips the
 blocks above the diagonal.  Query heads of a group read their key/value
 head (GQA without repeats).  Lengths are padded outside the kernel to whole
 blocks.  Without a GPU the kernel runs in Mosaic GPU's interpreter
-(``InterpretGPUParams``), where the 16-bit PV product also goes through
-shared memory and a separate accumulator (the interpreter implements wgmma
-with shared-memory operands only).
+(``InterpretGPUParams``), where P (8-bit or 16-bit) goes through shared
+memory and the 16-bit PV product into a separate accumulator (the
+interpreter implements wgmma with shared-memory operands only).
 """
 from __future__ import annotations
 
@@ -65,19 +66,21 @@ from jax.experimental.mosaic import gpu as mgpu
 from jax.experimental.mosaic.gpu import utils as mgpu_utils
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from jaxattn import base, quant
-from jaxattn import pasa as pasa_ref
-from pallas_kernels import common, prepare
+from pallas_kernels import common
+from pallas_kernels.common import FP8_MAX, LOG2E
+from pallas_kernels.quantizers import key_order
 
-LOG2E = math.log2(math.e)
-LOG2_FP8_MAX = math.log2(quant.FP8_MAX)
+LOG2_FP8_MAX = math.log2(FP8_MAX)
+QK_TYPES = ("fp16", "int8", "fp8")
+PV_TYPES = ("fp16", "fp8", "int8")
+HEAD_DIMS = (64, 128)  # 256 would not fit the shared-memory ring
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicParams:
   """Rows per consumer warpgroup, keys per block, shared-memory ring depth."""
   block_q: int = 64
-  block_kv: int = 128
+  block_k: int = 128
   stages: int = 2
 
 
@@ -86,32 +89,18 @@ def interpret():
   return plgpu.InterpretGPUParams() if common.interpret() else None
 
 
-# P's key order as the 8-bit wgmma reads it from registers: within each
-# chunk of 16 keys, thread t of a quad holds keys (2t, 2t+1, 8+2t, 9+2t) in
-# the accumulator layout and the wgmma reads them as keys 4t..4t+3
-# (:func:`_as_8bit_operand`); V's keys are stored in this order.
-KEY_PERMUTATION = np.array([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
-                            15])
-
-
-def key_order(n):
-  """Key indices of ``n`` keys (a multiple of 16) in the register-operand
-  P's order: ``16c + KEY_PERMUTATION[i]`` at position ``16c + i``."""
-  return (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
-
-
 def permute_keys(v, axis):
   """Orders the keys of ``v`` (a multiple of 16 along ``axis``) by
-  :func:`key_order` (the quantizers write V so directly:
-  ``prepare.kernel_inputs(..., v_key_order=True)``)."""
+  :func:`pallas_kernels.quantizers.key_order` (the V quantizer writes them
+  so directly: ``v_operand(..., key_order=True)``)."""
   return jnp.take(v, jnp.asarray(key_order(v.shape[axis])), axis=axis)
 
 
-def p_in_registers(p_via_smem=False):
+def p_in_registers():
   """Whether 8-bit P feeds the PV wgmma from registers (on the GPU; the
   interpreter reads P from shared memory), so V's keys must be in
-  :func:`key_order`."""
-  return interpret() is None and not p_via_smem
+  :func:`pallas_kernels.quantizers.key_order`."""
+  return interpret() is None
 
 
 def _as_8bit_operand(p):
@@ -148,7 +137,7 @@ def _smem(shape, dtype):
       plgpu.SwizzleTransform(swizzle)))
 
 
-def _pasa_scores(s, visible, *, block_kv):
+def _pasa_scores(s, visible, *, block_k):
   """PASA steps 1-2 on one key block's float32 product ``S' = Q K'^T``
   (``[bq, bk]``, WGMMA layout), as :func:`jaxattn.pasa.pasa_head`: the
   row mean over all ``bk`` columns before any mask, ``S'`` rounded to
@@ -156,7 +145,7 @@ def _pasa_scores(s, visible, *, block_kv):
   ``l' = fl16(rowsum exp(S' - m'))``.  Returns ``P`` (float16) and the rows
   ``(s_mean, m', l', seen)``."""
   f32, f16 = jnp.float32, jnp.float16
-  s_mean = (s.sum(axis=1) * (1.0 / block_kv)).astype(f16)
+  s_mean = (s.sum(axis=1) * (1.0 / block_k)).astype(f16)
   s = s.astype(f16)
   seen = None
   if visible is not None:
@@ -197,7 +186,7 @@ def _pasa_update(state, rows, pv_blk, *, inva):
 
 
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
-            block_q, block_kv, stages, group, c_scale, pasa, has_qk_scales,
+            block_q, block_k, stages, group, c_scale, pasa, has_qk_scales,
             has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
             out_dtype):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
@@ -214,7 +203,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   vbs_ref = refs.pop(0) if has_vbs else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
   (out_ref,) = refs
-  bq, bk = block_q, block_kv
+  bq, bk = block_q, block_k
   head_dim = q_ref.shape[-1]
   eight_bit_pv = pv in ("fp8", "int8")
   f32, f16 = jnp.float32, jnp.float16
@@ -316,7 +305,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         the new row max and sum, and the factor ``alpha`` of the old ones
         (PASA: P and the block's rows for :func:`_pasa_update`)."""
         if pasa:
-          p, pasa_rows = _pasa_scores(s, visible, block_kv=bk)
+          p, pasa_rows = _pasa_scores(s, visible, block_k=bk)
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
@@ -433,7 +422,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
 
       empty = l_i == 0.0
       # (with P * 448 folded into the exponent, l is in units of 1/448)
-      l_unit = quant.FP8_MAX if pv == "fp8" else 1.0
+      l_unit = FP8_MAX if pv == "fp8" else 1.0
       inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
       out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
       if has_epilogue:
@@ -516,8 +505,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
-                     out_shift=None, pasa_inva=None, p_via_smem=False,
-                     v_keys_ordered=False, out_dtype=jnp.float16):
+                     out_shift=None, pasa_inva=None, v_keys_ordered=False,
+                     out_dtype=jnp.float16):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -530,33 +519,36 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
       score bias shared by each block of ``bias_rows`` query rows (a multiple
       of ``block_q``), or None.
-    v_block_scale: float32 ``[B, K, S / block_kv]`` or None.
+    v_block_scale: float32 ``[B, K, S / block_k]`` or None.
     out_scale, out_shift: float32 ``[B, K, D]`` or None.
     pasa_inva: PASA's ``fl16(beta / (1 - beta))``: k then holds the shifted,
-      scaled float16 keys (:func:`jaxattn.pasa.kernel_keys`) and the softmax
-      runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``, float16 only).
-    p_via_smem: 8-bit P through a shared-memory tile instead of registers
-      (the previous design, kept to measure the difference).
-    v_keys_ordered: the 8-bit V's keys are already in :func:`key_order`
+      scaled float16 keys (PASA's per-block shift, done by the caller) and
+      the softmax runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``,
+      float16 only).
+    v_keys_ordered: the 8-bit V's keys are already in
+      :func:`pallas_kernels.quantizers.key_order`
       (the quantizer wrote them so); otherwise they are permuted here when P
       comes from registers.
   Returns: ``[B, T, N, D]`` in ``out_dtype``.
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
-  if d not in (64, 128):  # 256 would not fit the shared-memory ring
-    raise ValueError(f"the Mosaic kernel takes head dims 64 and 128, got {d}")
+  if d not in HEAD_DIMS:
+    raise ValueError(f"the Mosaic kernel takes head dims {HEAD_DIMS}, got {d}")
+  if qk not in QK_TYPES or pv not in PV_TYPES:
+    raise ValueError(f"qk must be one of {QK_TYPES} and pv one of "
+                     f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
-  bq, bk = params.block_q, params.block_kv
+  bq, bk = params.block_q, params.block_k
   t_pad = common.round_up(t, 2 * bq)
   s_pad = common.round_up(s_len, bk)
   pad = common.pad_axis
   q, k = pad(q, 1, t_pad), pad(k, 1, s_pad)
   interp = interpret()
   # P feeds the PV wgmma from registers on the GPU (8-bit P with V's keys
-  # permuted, see _as_8bit_operand); in the interpreter (and with
-  # p_via_smem) it goes through shared memory.
-  p_in_smem = not p_in_registers(p_via_smem)
+  # permuted, see _as_8bit_operand); in the interpreter it goes through
+  # shared memory.
+  p_in_smem = not p_in_registers()
   if v_keys_ordered and (p_in_smem or pv == "fp16"):
     raise ValueError("V's keys are in the register-operand order, but P "
                      "goes through shared memory (or is 16-bit)")
@@ -586,7 +578,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                    == jnp.float16):
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
   kernel = functools.partial(
-      _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_kv=bk,
+      _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
       has_qk_scales=has_qk_scales,
@@ -606,93 +598,3 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   )(*args)
   return out[:, :t]
 
-
-# ----------------------------------------------------------------------------
-# The methods on the kernel: the same quantizers as the Triton kernels
-# (pallas_kernels/quantized.py), then one call.
-
-
-def unsupported_reason(method, q, k, bias, mask, config) -> str | None:
-  """Why the Mosaic kernel cannot run this call (None when it can)."""
-  d = q.shape[-1]
-  if bias is not None or mask is not None:
-    return "a bias or mask (use implementation='pallas')"
-  if d not in (64, 128):
-    return f"head dim {d} (the Mosaic kernel takes 64 and 128)"
-  if method == "fp32" and jnp.dtype(q.dtype) not in (jnp.float16,
-                                                     jnp.bfloat16):
-    return f"{q.dtype} inputs (the Mosaic 'fp32' kernel takes float16/bfloat16)"
-  if method == "pasa" and jnp.dtype(config.compute_dtype) != jnp.float16:
-    return f"PASA compute_dtype={config.compute_dtype} (the kernel is float16)"
-  if method == "sage" and config.smooth_q and config.block_q % 128:
-    return f"sage block_q={config.block_q} (a multiple of 128 is needed)"
-  if method == "fp8" and config.granularity == "block" and config.block_q % 64:
-    return f"fp8 block granularity with block_q={config.block_q}"
-  block_k = getattr(config, "block_k", None) or 128
-  if method != "fp32" and block_k not in (64, 128):
-    return f"block_k={block_k} (the Mosaic kernel takes 64 and 128)"
-  return None
-
-
-def run(inputs: dict, kv_lens, *, is_causal, block_k, out_dtype,
-        p_via_smem=False):
-  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict (int4
-  in int8 containers: ``pack_int4=False``)."""
-  p = inputs
-  return mosaic_attention(
-      p["q8"], p["k8"], p["v"], kv_lens, qk=p["qk"], pv=p["pv"],
-      is_causal=is_causal, params=MosaicParams(block_kv=block_k),
-      q_scale=p["q_scale"], k_scale=p["k_scale"],
-      q_block_bias=p["q_block_bias"], bias_rows=p["bias_rows"],
-      v_block_scale=p["v_block_scale"], out_scale=p["out_scale"],
-      out_shift=p["out_shift"], p_via_smem=p_via_smem,
-      v_keys_ordered=p["v_keys_ordered"], out_dtype=out_dtype)
-
-
-def _out_dtype(q):
-  return q.dtype if q.dtype == jnp.bfloat16 else jnp.float16
-
-
-def fp32_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="fp32"``: 16-bit Q, K, V, float32 softmax and accumulation."""
-  del bias, mask, config
-  return mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="fp16",
-                          pv="fp16", is_causal=is_causal, scale=scale,
-                          out_dtype=q.dtype)
-
-
-def pasa_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="pasa"``: the keys shifted once per block by the shifting
-  matrix (:func:`jaxattn.pasa.kernel_keys`, as the Triton kernel), then
-  PASA's float16 softmax in the kernel; float16 output."""
-  del bias, mask
-  k_shifted, inva = pasa_ref.kernel_keys(k, kv_lens, scale=scale,
-                                         config=config)
-  f16 = jnp.float16
-  return mosaic_attention(q.astype(f16), k_shifted, v.astype(f16), kv_lens,
-                          qk="fp16", pv="fp16", is_causal=is_causal,
-                          params=MosaicParams(block_kv=config.block_k),
-                          pasa_inva=inva, out_dtype=f16)
-
-
-def _quantized_method(name):
-  """``method=name`` ("sage", "int8", "fp8") on the kernel: the method's
-  jitted quantizer (:func:`pallas_kernels.prepare.kernel_inputs`, the same
-  as the Triton kernel's), then one call.  The method's ``block_k`` is the
-  kernel's: it is part of the numerics (the online softmax rounds P against
-  each block's running max; scale groups)."""
-  def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-    del bias, mask
-    p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
-                              config=config, pack_int4=False,
-                              v_key_order=p_in_registers())
-    return run(p, kv_lens, is_causal=is_causal, block_k=config.block_k,
-               out_dtype=_out_dtype(q))
-  attention.__name__ = f"{name}_attention"
-  return attention
-
-
-base.attach_mosaic("fp32", fp32_attention)
-base.attach_mosaic("pasa", pasa_attention)
-for _name in ("sage", "int8", "fp8"):
-  base.attach_mosaic(_name, _quantized_method(_name))

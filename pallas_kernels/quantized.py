@@ -1,38 +1,36 @@
-"""Quantized flash-attention forward kernel (Pallas, Triton lowering) for the
-methods "int8" (INT-FlashAttention, full and half INT8) and "fmha_int8"
-(8-bit FMHA), next to the references it mirrors (:mod:`jaxattn.int_flash`,
-:mod:`jaxattn.fmha`).
+"""Quantized flash-attention forward kernel (Pallas, Triton lowering).
 
 One kernel body, per head and per query block, with static flags:
 
 * ``qk``: the QK^T operands, ``"int8"`` (int8 x int8 -> int32 on the tensor
-  cores) or ``"int4"`` (SageAttention2's int4 Q and K packed two per byte in
-  halves of the head dim, :func:`jaxattn.quant.pack_int4_halves`: the
-  kernel loads half the bytes and unpacks them in registers with two shifts
-  into int8 halves ``lo``, ``hi``, then ``Q K^T = Q_lo K_lo^T + Q_hi
-  K_hi^T`` in int32, exactly the int8 product; the H100 has no int4 tensor
-  cores, the gain is bytes moved and memory held);
+  cores) or ``"int4"`` (int4 values packed two per byte in halves of the
+  head dim: the kernel loads half the bytes and unpacks them in registers
+  with two shifts into int8 halves ``lo``, ``hi``
+  (:func:`pallas_kernels.common.int4_halves`), then ``Q K^T = Q_lo K_lo^T +
+  Q_hi K_hi^T`` in int32, exactly the int8 product; the H100 has no int4
+  tensor cores, the gain is bytes moved and memory held);
 * ``pv``: how P is quantized for the PV matmul,
   ``"int8"``  ``P = round(127 exp(S - m))``, int8 x int8 -> int32;
+  ``"fp8"``   ``P * 448`` in float8_e4m3fn, fp8 x fp8 -> float32;
   ``"fp16"``  ``P = fl16(exp(S - m))``, float16 x float16 -> float32;
   ``"uint8"`` ``P = round(255 exp(S - m_block))`` anchored at the block's own
   row max (8-bit FMHA), computed with int8 operands only through
   ``P_u8 V = (P_u8 - 128) V + 128 colsum(V)`` (the Triton lowering rejects
   unsigned matmuls; the identity is exact);
-* per-block V scales, causal masking, a user bias or mask.
+* optional per-block V scales, a per-query-block score bias (SageAttention2's
+  smoothing bias), a per-channel output scale and shift, causal masking, a
+  user bias or mask.
 
 Scores: ``S = (Q_i8 K_i8^T)_int32 * q_scale[:, None] * k_scale[None, :]`` with
 ``sm_scale * log2(e)`` folded into the per-row query scale, so the softmax
-runs in base 2 (``exp2``).  The 8-bit V is laid out transposed,
-``[B, K, D, S]`` (key dimension contiguous), once, by the jitted quantizer:
-the layout the 8-bit tensor-core path wants for the PV operand.  Batch and
-heads are grid axes over the BTNH arrays; query heads of a group share their
-key/value head.
+runs in base 2 (``exp2``).  An 8-bit V is laid out transposed, ``[B, K, D,
+S]`` (key dimension contiguous), by the quantizer: the layout the 8-bit
+tensor-core path wants for the PV operand.  Batch and heads are grid axes
+over the BTNH arrays; query heads of a group share their key/value head.
 """
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,16 +38,16 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jaxattn import base, quant
-from jaxattn import fmha as fmha_ref
-from pallas_kernels import common, prepare
+from pallas_kernels import common
+from pallas_kernels.common import FP8_MAX, LOG2E
 
-LOG2E = math.log2(math.e)
+QK_TYPES = ("int8", "int4")
+PV_TYPES = ("int8", "fp8", "fp16", "uint8")
 
 # (head_dim_padded, block_k) -> (block_q, num_warps, num_stages): the best of
 # benchmarks/sweep.py on an H100 at B=2 H=32 S=8192 D=128 (half-INT8 and
-# full INT8, benchmarks/README.md).  block_k belongs to the method's config
-# (it sets the numerics: V block scales, SageAttention's K scales).
+# full INT8).  block_k is not a knob here: it belongs to the method (V block
+# scales, SageAttention's K scales).
 _TABLE = {
     (64, 64): (128, 4, 3), (64, 128): (64, 4, 3),
     (128, 64): (128, 4, 3), (128, 128): (64, 4, 3),
@@ -57,14 +55,13 @@ _TABLE = {
 }
 
 
-def kernel_params(head_dim_padded, config, block_k) -> common.KernelParams:
-  """Block sizes, warps and stages: the table, overridden by ``config``."""
-  d = min(max(head_dim_padded, 64), 256)
+def default_params(head_dim: int, block_k: int) -> common.KernelParams:
+  """The tuned query block, warps and stages for ``head_dim`` (padded to a
+  power of two, 64 to 256) and the method's ``block_k``."""
+  d = min(max(pl.next_power_of_2(head_dim), 64), 256)
   bq, warps, stages = _TABLE.get((d, block_k), _TABLE[(d, 64)])
-  return common.KernelParams(
-      block_q=getattr(config, "block_q", None) or bq, block_k=block_k,
-      num_warps=getattr(config, "num_warps", None) or warps,
-      num_stages=getattr(config, "num_stages", None) or stages)
+  return common.KernelParams(block_q=bq, block_k=block_k, num_warps=warps,
+                             num_stages=stages)
 
 
 def _dot(a, b, acc, contract_b):
@@ -102,13 +99,13 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
   kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
   q = q_ref[...]
   if qk == "int4":  # unpacked once per query block
-    q_lo, q_hi = quant.int4_halves(q)
+    q_lo, q_hi = common.int4_halves(q)
   qs = qs_ref[...]
   dv = o_ref.shape[-1]
 
   def scores(ks):  # (Q K_j^T)_int32
     if qk == "int4":
-      k_lo, k_hi = quant.int4_halves(k_ref[ks, :])
+      k_lo, k_hi = common.int4_halves(k_ref[ks, :])
       return _dot(q_lo, k_lo, i32, 1) + _dot(q_hi, k_hi, i32, 1)
     return _dot(q, k_ref[ks, :], i32, 1)
 
@@ -130,7 +127,7 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
       mt = jnp.max(s, axis=1)
       e = jnp.exp2(s - jnp.where(mt == -jnp.inf, 0.0, mt)[:, None])
       lt = jnp.sum(e, axis=1)
-      p = (quant.round_probability(e, 255) - 128.0).astype(jnp.int8)
+      p = (common.round_probability(e, 255) - 128.0).astype(jnp.int8)
       pv_blk = _dot(p, v_ref[:, ks], i32, 1) + 128 * colsum_ref[j, :][None, :]
       m_new = jnp.maximum(m, mt)
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
@@ -142,14 +139,14 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
     e = jnp.exp2(s - m_ref[:, None])
     alpha = jnp.exp2(m - m_ref)
     if pv == "int8":
-      p = quant.round_probability(e, 127)
+      p = common.round_probability(e, 127)
       l = alpha * l + jnp.sum(p, axis=1)
       pv_blk = _dot(p.astype(jnp.int8), v_ref[:, ks], i32, 1).astype(f32)
       if has_vbs:
         pv_blk = pv_blk * vbs_ref[j]
     elif pv == "fp8":  # P * 448 and V per channel in float8_e4m3fn
       l = alpha * l + jnp.sum(e, axis=1)
-      p8, v8 = (e * quant.FP8_MAX).astype(jnp.float8_e4m3fn), v_ref[:, ks]
+      p8, v8 = (e * FP8_MAX).astype(jnp.float8_e4m3fn), v_ref[:, ks]
       if fp8_dot_in_f32:  # the CPU has no fp8 dot (values are exact in f32)
         p8, v8 = p8.astype(f32), v8.astype(f32)
       pv_blk = _dot(p8, v8, f32, 1)
@@ -184,8 +181,9 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
     q8: int8 ``[B, T, N, D]``; q_scale float32 ``[B, T, N]`` (times
       ``sm_scale * log2 e``); k8: int8 ``[B, S, K, D]``; k_scale ``[B, S, K]``;
       for ``qk="int4"`` q8 and k8 are int4 values packed in halves,
-      ``[..., D / 2]`` (:func:`jaxattn.quant.pack_int4_halves`).
-    v: int8 ``[B, K, Dv, S]`` (transposed) for ``pv`` "int8"/"uint8", float16
+      ``[..., D / 2]`` (unpacked by :func:`common.int4_halves`).
+    v: int8 / float8_e4m3fn ``[B, K, Dv, S]`` (transposed) for ``pv``
+      "int8"/"uint8" / "fp8", float16
       ``[B, S, K, Dv]`` for "fp16"; kv_lens int32 ``[B]``; bias/mask
       ``[B, N, T, S]`` or None.
     v_block_scale: float32 ``[B, K, S / block_k]`` or None.
@@ -199,8 +197,9 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
   Returns:
     ``[B, T, N, Dv]`` in ``out_dtype``.
   """
-  if qk not in ("int8", "int4"):
-    raise ValueError(f"qk must be 'int8' or 'int4', got {qk!r}")
+  if qk not in QK_TYPES or pv not in PV_TYPES:
+    raise ValueError(f"qk must be one of {QK_TYPES} and pv one of "
+                     f"{PV_TYPES}, got {qk!r}, {pv!r}")
   b, t, n, d = q8.shape
   s_len, nk = k8.shape[1], k8.shape[2]
   group = n // nk
@@ -278,61 +277,3 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
       interpret=common.interpret(), name=f"jaxattn_quant_{pv}_fwd")(*args)
   return out[:, :t, :, :dv]
 
-
-def run(inputs: dict, kv_lens, bias=None, mask=None, *, is_causal, params,
-        out_dtype):
-  """The kernel on :func:`pallas_kernels.prepare.kernel_inputs`' dict."""
-  p = inputs
-  return quantized_attention(
-      p["q8"], p["q_scale"], p["k8"], p["k_scale"], p["v"], kv_lens, bias,
-      mask, qk=p["qk"], pv=p["pv"], is_causal=is_causal, params=params,
-      v_block_scale=p["v_block_scale"], q_block_bias=p["q_block_bias"],
-      bias_rows=p["bias_rows"], out_scale=p["out_scale"],
-      out_shift=p["out_shift"], out_dtype=out_dtype)
-
-
-def _quantized_method(name):
-  """``method=name`` ("sage", "int8") through the kernel: the method's
-  jitted quantizer (:func:`pallas_kernels.prepare.kernel_inputs`), then the
-  kernel.  Returns BTNH in the query dtype."""
-  def attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-    p = prepare.kernel_inputs(name, q, k, v, kv_lens, scale=scale,
-                              config=config)
-    params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
-                           block_k=config.block_k)
-    return run(p, kv_lens, bias, mask, is_causal=is_causal, params=params,
-               out_dtype=q.dtype)
-  attention.__name__ = f"{name}_attention"
-  return attention
-
-
-def fmha_attention(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """``method="fmha_int8"`` through the kernel (uint8 P by the identity);
-  output quantization as the reference."""
-  qz = fmha_ref.fmha_quantize(q, k, v, kv_lens, config=config)
-  params = kernel_params(max(pl.next_power_of_2(q.shape[-1]), 16), config,
-                         block_k=config.block_k)
-  b, t, n, _ = q.shape
-  s_factor = qz["q_scale"] * qz["k_scale"] * (scale * LOG2E)
-  q_scale = jnp.broadcast_to(s_factor, (b, t, n))
-  k_scale = jnp.ones(k.shape[:3], jnp.float32)
-  bk = params.block_k
-  s_pad = common.round_up(k.shape[1], bk)
-  v8 = common.pad_axis(qz["v"], 1, s_pad)
-  colsum = v8.astype(jnp.int32).reshape(b, s_pad // bk, bk, *v8.shape[2:])
-  colsum = colsum.sum(axis=2).transpose(0, 2, 1, 3)         # [B, K, nb, Dv]
-  o = quantized_attention(
-      qz["q"], q_scale, qz["k"], k_scale, prepare.kv_heads_last(qz["v"]),
-      kv_lens,
-      bias, mask, pv="uint8", is_causal=is_causal, params=params,
-      v_colsum=colsum)
-  o = o * (qz["v_scale"] / 255.0)
-  o_i8, o_scale = fmha_ref.fmha_quantize_output(o, config=config)
-  if config.return_int8:
-    return o_i8, o_scale
-  return o_i8.astype(jnp.float32) * o_scale
-
-
-base.attach_pallas("int8", _quantized_method("int8"))
-base.attach_pallas("sage", _quantized_method("sage"))
-base.attach_pallas("fmha_int8", fmha_attention)

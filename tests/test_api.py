@@ -336,22 +336,32 @@ def test_zero_query_key_and_rows_without_keys(method):
 def test_pallas_fp32_interpret():
   q, k, v = qkv(15, b=1, t=20, s=30)
   out = jaxattn.dot_product_attention(q, k, v, method="fp32",
-                                      implementation="pallas")
+                                      implementation="triton")
   assert out.dtype == jnp.float32 and out.shape == q.shape
   # Measured max abs diff to float64 3.0e-7.
   np.testing.assert_allclose(out, textbook(q, k, v), atol=2e-6)
 
 
-def test_pallas_fp8_not_implemented():
-  with pytest.raises(NotImplementedError, match="'fp8' has no Pallas kernel"):
+def test_triton_fp8_not_implemented():
+  with pytest.raises(NotImplementedError, match="'fp8' has no Triton kernel"):
     jaxattn.dot_product_attention(_q, _k, _v, method="fp8",
-                                  implementation="pallas")
+                                  implementation="triton")
 
 
 def test_methods_with_kernels():
-  has = {m: jaxattn.base.get_method(m).pallas is not None for m in METHODS}
+  has = {m: m in jaxattn.api.BACKENDS["triton"].ADAPTERS for m in METHODS}
   assert not has["fp8"]
   assert has["fp32"] and has["pasa"]
+  assert set(jaxattn.api.BACKENDS["reference"].ADAPTERS) == set(METHODS)
+
+
+def test_pallas_is_the_deprecated_name_of_triton():
+  with pytest.warns(DeprecationWarning, match="'pallas' is now 'triton'"):
+    old = jaxattn.dot_product_attention(_q, _k, _v, method="int8",
+                                        implementation="pallas")
+  new = jaxattn.dot_product_attention(_q, _k, _v, method="int8",
+                                      implementation="triton")
+  np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
 
 
 # ----------------------------------------------------------------------------
@@ -403,8 +413,8 @@ def test_gqa_equals_repeated_kv(method):
 
 
 @pytest.mark.parametrize("method,impl", [
-    ("sage", "reference"), ("sage", "pallas"), ("int8", "reference"),
-    ("int8", "pallas"), ("fmha_int8", "reference"), ("fmha_int8", "pallas"),
+    ("sage", "reference"), ("sage", "triton"), ("int8", "reference"),
+    ("int8", "triton"), ("fmha_int8", "reference"), ("fmha_int8", "triton"),
     ("fp8", "reference")])
 def test_quantized_methods_propagate_nonfinite(method, impl):
   """Quantizers would turn NaN/Inf into finite integers: the API makes the

@@ -169,7 +169,7 @@ def _calibration():
 
 def test_per_layer_config_from_choose_precision():
   calib = _calibration()
-  choice = jaxattn.sage.choose_precision(calib, xi_percent=33,
+  choice = jaxattn.choose_precision(calib, xi_percent=33,
                                          implementation="reference")
   # accuracy (cos * (1 - rel L1)) of sage2-4b, measured: 0.80, 0.36, 0.78
   assert choice == {"layer_0": "sage2-4b", "layer_1": "sage2-8b",

@@ -48,7 +48,7 @@ def test_kernel_matches_reference(method, opts, tol, case,
   v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
   kw = dict(method=method, is_causal=causal, **opts)
   poison_allocator((b, s, n, d))
-  out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
   err = metrics.relative_rmse(out, ref)
@@ -78,7 +78,7 @@ def test_smoothing_rescues_int4_on_channel_outliers():
                                smooth_k=False, smooth_v=False)),
       ("smoothed fp8 PV, smooth V", dict(preset="sage2-8b")),
       ("fp8 PV without smooth V", dict(preset="sage2-8b", smooth_v=False))):
-    out = jaxattn.sage_attention(q, k, v, implementation="pallas", **opts)
+    out = jaxattn.sage_attention(q, k, v, implementation="triton", **opts)
     cos[label] = metrics.cosine_similarity(out, ref)
     l1[label] = metrics.relative_l1(out, ref)
     print(f"{label}: cos_sim {cos[label]:.5f} rel_l1 "
@@ -98,9 +98,9 @@ def test_int_flash_accuracy_ordering(seq, dist):
   err = {}
   for label, method, opts, impl in (
       ("fp8", "fp8", {}, "reference"),
-      ("full", "int8", {}, "pallas"),
-      ("full_vblock", "int8", {"v_granularity": "block"}, "pallas"),
-      ("half", "int8", {"pv_dtype": "fp16"}, "pallas")):
+      ("full", "int8", {}, "triton"),
+      ("full_vblock", "int8", {"v_granularity": "block"}, "triton"),
+      ("half", "int8", {"pv_dtype": "fp16"}, "triton")):
     out = jaxattn.dot_product_attention(q, k, v, method=method,
                                         implementation=impl, **opts)
     err[label] = mean_relative_error(out, ref)

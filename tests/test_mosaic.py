@@ -14,8 +14,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import api, base
-from pallas_kernels import mosaic
+from jaxattn import api
 
 VARIANTS = [  # measured max rel RMSE on these cases: 1.6e-5 (fp32, f16 out)
     ("fp32", {}),
@@ -83,7 +82,7 @@ def test_mosaic_pasa_matches_triton_and_reference(case):
   kw = dict(method="pasa", is_causal=causal, key_value_seq_lengths=[kv_len],
             block_k=block_k)
   out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
-  tri = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  tri = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
   assert out.dtype == jnp.float16 and bool(jnp.isfinite(out).all())
@@ -150,10 +149,25 @@ def test_mosaic_refuses_what_it_cannot_run():
 
 
 def test_auto_selection_falls_back_off_hopper():
-  m = base.get_method("sage")
   # No GPU here: the automatic choice is the reference, never the interpreter.
-  assert not api._is_hopper()
-  assert api.resolve_implementation(None, m, lambda: None) == "reference"
-  assert mosaic.unsupported_reason("sage", jnp.ones((1, 8, 1, 128)), None,
-                                   None, None,
-                                   jaxattn.sage.SageConfig()) is None
+  assert not api.BACKENDS["mosaic"].native()
+  q = jnp.ones((1, 8, 1, 128))
+  assert api.resolve_implementation(q, q, q, method="sage") == "reference"
+  assert api.resolve_implementation(q, q, q, method="sage",
+                                    implementation="mosaic") == "mosaic"
+
+
+def test_mosaic_refuses_options_it_cannot_honour():
+  """The Triton kernels' knobs and block sizes the Mosaic kernel does not
+  take raise with the reason instead of being ignored."""
+  q = k = v = jnp.ones((1, 64, 1, 64), jnp.float16)
+  for method, opts, reason in [
+      ("fp32", dict(tile_q=64), "tile_q=64: Triton kernel knobs"),
+      ("int8", dict(num_warps=4), "num_warps=4: Triton kernel knobs"),
+      ("pasa", dict(num_stages=2), "num_stages=2: Triton kernel knobs"),
+      ("fp32", dict(block_k=32), "block_k=32: the Mosaic kernel takes"),
+      ("sage", dict(block_q=64), "sage block_q=64"),
+      ("fp8", dict(granularity="block", block_q=32), "block_q=32")]:
+    with pytest.raises(NotImplementedError, match=reason):
+      jaxattn.dot_product_attention(q, k, v, method=method,
+                                    implementation="mosaic", **opts)

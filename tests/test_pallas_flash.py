@@ -10,9 +10,10 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import base, metrics
+from jaxattn import metrics
 from jaxattn import flash as flash_ref
 from jaxattn import pasa as pasa_ref
+from jaxattn.backends import triton as triton_backend
 from pallas_kernels import flash as flash_kernel
 
 # Same arithmetic as the reference up to the accumulation order of the
@@ -30,7 +31,7 @@ def _inputs(seed, b, t, s, n, kh, d, dtype=jnp.float16):
 
 
 def _both(q, k, v, **kw):
-  out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
   return out, ref
@@ -68,7 +69,7 @@ def test_padding_bias_mask(method):
   # Keys past the length are ignored: garbage there changes nothing.
   k2 = k.at[1, 33:].set(1e4)
   out2 = jaxattn.dot_product_attention(q, k2, v, method=method,
-                                       implementation="pallas",
+                                       implementation="triton",
                                        key_value_seq_lengths=lens, bias=bias,
                                        mask=mask)
   assert metrics.relative_rmse(out2[1], out[1]) < TOL[method]
@@ -78,7 +79,7 @@ def test_padding_bias_mask(method):
 def test_fully_masked_rows_are_zero(method):
   q, k, v = _inputs(4, 2, 20, 40, 2, 2, 64)
   out = jaxattn.dot_product_attention(
-      q, k, v, method=method, implementation="pallas",
+      q, k, v, method=method, implementation="triton",
       key_value_seq_lengths=jnp.array([40, 0]))
   assert np.all(np.asarray(out[1], np.float32) == 0.0)
   assert metrics.nonfinite_fraction(out) == 0.0
@@ -98,9 +99,14 @@ def test_log_sum_exp(precision):
     _, lse_ref = flash_ref.flash_head(q, k, v, None, None, jnp.int32(100),
                                       config=config, precision=precision,
                                       **kw)
+  lens = jnp.array([100], jnp.int32)
+  q4, k4, v4 = q[None, :, None], k[None, :, None], v[None, :, None]
+  scale = kw.pop("scale")
+  if precision == "pasa":  # the kernel takes the shifted keys
+    k4, scale = pasa_ref.kernel_keys(k4, lens, scale=scale, config=config)
   _, lse = flash_kernel.flash_attention(
-      q[None, :, None], k[None, :, None], v[None, :, None], None, None,
-      jnp.array([100], jnp.int32), config=config, precision=precision, **kw)
+      q4, k4, v4, lens, scale=scale, precision=precision,
+      params=triton_backend.flash_params(precision, 64, config), **kw)
   lse = lse[0, 0]
   exact = jax.nn.logsumexp(
       jnp.where(jnp.tril(jnp.ones((60, 100), bool)),
@@ -111,26 +117,40 @@ def test_log_sum_exp(precision):
 
 
 def test_block_overrides_and_table():
-  cfg = flash_ref.FlashConfig(block_q=32, block_k=32, num_warps=4,
+  cfg = flash_ref.FlashConfig(tile_q=32, block_k=32, num_warps=4,
                               num_stages=2)
-  p = flash_kernel.kernel_params("fp32", 128, cfg)
+  p = triton_backend.flash_params("fp32", 128, cfg)
   assert (p.block_q, p.block_k, p.num_warps, p.num_stages) == (32, 32, 4, 2)
-  p = flash_kernel.kernel_params("pasa", 128, pasa_ref.PasaConfig(block_k=64))
+  p = triton_backend.flash_params("pasa", 128,
+                                  pasa_ref.PasaConfig(block_k=64))
   assert p.block_k == 64  # PASA's block is the shifting matrix size
   q, k, v = _inputs(7, 1, 40, 70, 1, 1, 64)
-  out, ref = _both(q, k, v, method="fp32", block_q=16, block_k=16)
+  out, ref = _both(q, k, v, method="fp32", tile_q=16, block_k=16)
   assert metrics.relative_rmse(out, ref) < TOL["fp32"]
   with pytest.raises(ValueError, match="power of two"):
-    jaxattn.dot_product_attention(q, k, v, method="fp32", block_q=48)
+    jaxattn.dot_product_attention(q, k, v, method="fp32", tile_q=48)
+
+
+def test_block_q_is_the_deprecated_name_of_tile_q():
+  q, k, v = _inputs(7, 1, 40, 70, 1, 1, 64)
+  with pytest.warns(DeprecationWarning, match="'block_q' .* is now 'tile_q'"):
+    old = jaxattn.dot_product_attention(q, k, v, method="fp32", block_q=16,
+                                        implementation="triton")
+  new = jaxattn.dot_product_attention(q, k, v, method="fp32", tile_q=16,
+                                      implementation="triton")
+  np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
+  with pytest.raises(TypeError, match="pass tile_q only"):
+    jaxattn.dot_product_attention(q, k, v, method="fp32", block_q=16,
+                                  tile_q=16)
 
 
 def test_pallas_under_jit_and_vmap():
   q, k, v = _inputs(8, 2, 33, 33, 2, 2, 64)
   f = jax.jit(functools.partial(jaxattn.dot_product_attention, method="fp32",
-                                implementation="pallas"))
+                                implementation="triton"))
   out = f(q, k, v)
   per = jax.vmap(lambda a, b_, c: jaxattn.dot_product_attention(
-      a, b_, c, method="fp32", implementation="pallas"))(q, k, v)
+      a, b_, c, method="fp32", implementation="triton"))(q, k, v)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference")
   assert metrics.relative_rmse(out, ref) < TOL["fp32"]
   assert metrics.relative_rmse(per, ref) < TOL["fp32"]
@@ -138,12 +158,12 @@ def test_pallas_under_jit_and_vmap():
 
 def test_pasa_kernel_rejects_non_fp16_compute():
   q, k, v = _inputs(9, 1, 16, 16, 1, 1, 64)
-  with pytest.raises(ValueError, match="float16"):
+  with pytest.raises(NotImplementedError, match="float16"):
     jaxattn.dot_product_attention(q, k, v, method="pasa",
-                                  implementation="pallas",
+                                  implementation="triton",
                                   compute_dtype="float32")
 
 
 def test_registered():
   for m in TOL:
-    assert base.get_method(m).pallas is not None
+    assert m in triton_backend.ADAPTERS

@@ -3,6 +3,7 @@ mode (CPU)
 against the references: the same quantized values by construction (the
 kernels call the references' quantizers), outputs to accumulation order.
 SageAttention2's int4 Q and K reach the kernel packed two per byte."""
+import dataclasses
 import itertools
 
 import numpy as np
@@ -13,7 +14,8 @@ import jax.numpy as jnp
 
 import jaxattn
 from jaxattn import fmha, metrics, quant, sage
-from pallas_kernels import prepare, quantized
+from jaxattn import operands
+from jaxattn.backends import triton as triton_backend
 
 # Measured kernel-vs-reference relative RMSE on these cases: 0 to 1e-6
 # (full INT8: the same int32 products; P rounding rarely flips), 3e-5
@@ -48,7 +50,7 @@ def test_kernel_matches_reference(method, opts, tol, case):
   k = k + 2.0  # a key bias for the smoothing to remove
   kw = dict(method=method, is_causal=causal,
             key_value_seq_lengths=jnp.array([s - 5] * b), **opts)
-  out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
   assert metrics.nonfinite_fraction(out) == 0.0
@@ -58,7 +60,7 @@ def test_kernel_matches_reference(method, opts, tol, case):
 def test_fmha_int8_output_matches_reference():
   q, k, v = _inputs(3, 1, 64, 200, 2, 1, 64)
   amax = {"q": 4.0, "k": 4.0, "v": 4.0, "o": 1.0}
-  o8, sc = jaxattn.fmha_int8(q, k, v, implementation="pallas",
+  o8, sc = jaxattn.fmha_int8(q, k, v, implementation="triton",
                              return_int8=True, amax=amax)
   r8, rsc = jaxattn.fmha_int8(q, k, v, implementation="reference",
                               return_int8=True, amax=amax)
@@ -74,7 +76,7 @@ def test_bias_mask_and_empty_rows():
   lens = jnp.array([90, 0])
   for method in ("sage", "int8", "fmha_int8"):
     kw = dict(method=method, bias=bias, mask=mask, key_value_seq_lengths=lens)
-    out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+    out = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
     ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                         **kw)
     assert np.all(np.asarray(out[1], np.float32) == 0.0)
@@ -91,15 +93,16 @@ def test_uint8_identity_in_the_kernel_path():
 
 
 def test_table_and_overrides():
-  params = quantized.kernel_params(128, jaxattn.int_flash.Int8Config(
-      block_q=32, num_warps=4, num_stages=2), block_k=64)
+  params = triton_backend.quantized_params(128, jaxattn.int_flash.Int8Config(
+      tile_q=32, num_warps=4, num_stages=2, block_k=64))
   assert (params.block_q, params.block_k, params.num_warps,
           params.num_stages) == (32, 64, 4, 2)
 
 
 def test_benchmark_kernel_alone_is_the_method_without_its_quantizer():
   """jaxattn.bench times the kernels on pre-quantized inputs made by the
-  same pallas_kernels.prepare.kernel_inputs the methods use: same output."""
+  same backend adapter (prepare, then kernel) the methods use: same
+  output."""
   from jaxattn import bench
   kq, kk, kv = jax.random.split(jax.random.key(5), 3)
   q = jax.random.normal(kq, (1, 80, 2, 64), jnp.float16)
@@ -107,7 +110,7 @@ def test_benchmark_kernel_alone_is_the_method_without_its_quantizer():
   v = jax.random.normal(kv, (1, 96, 2, 64), jnp.float16)
   fn, args = bench.kernel_alone(False, 64)["kernel_int8_full"](q, k, v)
   want = jaxattn.dot_product_attention(q, k, v, method="int8",
-                                       implementation="pallas")
+                                       implementation="triton")
   np.testing.assert_array_equal(np.asarray(fn(*args), np.float32),
                                 np.asarray(want, np.float32))
 
@@ -136,38 +139,40 @@ def test_int4_packed_path(monkeypatch):
   int8 containers) that unpack to exactly the int8-container values; it
   matches the reference, and equals bit for bit the kernel run on the int8
   containers (the int32 products are the same)."""
-  kernel_inputs, seen = prepare.kernel_inputs, []
-  monkeypatch.setattr(prepare, "kernel_inputs", lambda *a, **kw: seen.append(
-      kernel_inputs(*a, **kw)) or seen[-1])
+  quantized_operands, seen = operands.quantized_operands, []
+  monkeypatch.setattr(operands, "quantized_operands",
+                      lambda *a, **kw: seen.append(
+                          quantized_operands(*a, **kw)) or seen[-1])
   q, k, v = _inputs(11, 1, 41, 67, 4, 2, 96)
   k = k + 2.0
   lens = jnp.array([61])
   kw = dict(method="sage", preset="sage2-4b", is_causal=True,
             key_value_seq_lengths=lens)
-  out = jaxattn.dot_product_attention(q, k, v, implementation="pallas", **kw)
+  out = jaxattn.dot_product_attention(q, k, v, implementation="triton", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
-  assert [(p["qk"], p["q8"].shape, p["k8"].shape) for p in seen] == [
+  assert [(p.qk, p.q.shape, p.k.shape) for p in seen] == [
       ("int4", (1, 41, 4, 48), (1, 67, 2, 48))]
   assert metrics.nonfinite_fraction(out) == 0.0
   assert metrics.relative_rmse(out, ref) < 1e-4
 
   cfg = sage.SageConfig.from_options(preset="sage2-4b")
   args = (q, k, v, lens)
-  packed = kernel_inputs("sage", *args, scale=96 ** -0.5, config=cfg)
-  plain = kernel_inputs("sage", *args, scale=96 ** -0.5, config=cfg,
-                        pack_int4=False)
-  assert (packed["qk"], plain["qk"]) == ("int4", "int8")
-  for name, x in (("q8", q), ("k8", k)):
-    assert packed[name].dtype == jnp.int8
-    assert packed[name].nbytes == x.size // 2 == plain[name].nbytes // 2
-    np.testing.assert_array_equal(quant.unpack_int4_halves(packed[name]),
-                                  plain[name])
-  for name in packed.keys() - {"q8", "k8", "qk"}:
-    if isinstance(packed[name], jax.Array):
-      np.testing.assert_array_equal(packed[name], plain[name])
-  params = quantized.kernel_params(128, cfg, block_k=cfg.block_k)
-  unpacked = quantized.run(plain, lens, is_causal=True, params=params,
-                           out_dtype=q.dtype)
+  packed = quantized_operands("sage", *args, scale=96 ** -0.5, config=cfg)
+  plain = quantized_operands("sage", *args, scale=96 ** -0.5, config=cfg,
+                             pack_int4=False)
+  assert (packed.qk, plain.qk) == ("int4", "int8")
+  for name, x in (("q", q), ("k", k)):
+    assert getattr(packed, name).dtype == jnp.int8
+    assert (getattr(packed, name).nbytes == x.size // 2
+            == getattr(plain, name).nbytes // 2)
+    np.testing.assert_array_equal(
+        quant.unpack_int4_halves(getattr(packed, name)), getattr(plain, name))
+  for field in dataclasses.fields(packed):
+    a, b = getattr(packed, field.name), getattr(plain, field.name)
+    if field.name not in ("q", "k", "qk") and isinstance(a, jax.Array):
+      np.testing.assert_array_equal(a, b)
+  unpacked = triton_backend.ADAPTERS["sage"].kernel(
+      plain, lens, is_causal=True, config=cfg, out_dtype=q.dtype)
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(unpacked, np.float32))

@@ -1,5 +1,5 @@
-"""The kernels' quantizers (pallas_kernels/prepare.py, written on BTNH arrays
-for speed) against the references' (per head through vmap): the same
+"""The kernels' quantizers (jaxattn/operands.py and the Pallas kernels of
+pallas_kernels/quantizers.py, written on BTNH arrays for speed) against the references' (per head through vmap): the same
 quantized values and scales, bit for bit, over every granularity, with key
 padding, GQA and lengths that are not multiples of the groups."""
 import numpy as np
@@ -8,9 +8,10 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-import jaxattn
 from jaxattn import fp8, int_flash, quant, sage
-from pallas_kernels import prepare
+from jaxattn import methods
+from jaxattn import operands as prepare
+from pallas_kernels import quantizers
 
 
 def _inputs(seed, b=2, t=300, s=260, n=4, kh=2, d=64):
@@ -81,19 +82,20 @@ def test_fp8_inputs_equal_reference(opts):
     ids=str)
 def test_kernel_inputs_v_equals_reference_transposed(method, opts):
   """The 8-bit V of the kernels' inputs, written transposed by the one-pass
-  Pallas kernel (prepare.v_operand), is the reference quantizer's V
+  Pallas kernel (quantizers.v_operand), is the reference quantizer's V
   transposed, bit for bit (key padding, a length that is not a multiple of
   the kernel's 128-key tile)."""
   q, k, v, lens = _inputs(11, s=250)
-  cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
-  p = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1, config=cfg)
+  cfg = methods.get(method).config_cls.from_options(**opts)
+  p = prepare.quantized_operands(method, q, k, v, lens, scale=0.1,
+                                config=cfg)
   ref = {"sage": lambda: sage.sage_quantize(q, k, v, lens, scale=0.1,
                                             config=cfg),
          "int8": lambda: int_flash.int8_quantize(q, k, v, lens, config=cfg),
          "fp8": lambda: fp8.fp8_quantize(q, k, v, lens, config=cfg)}[method]()
-  assert p["v"].shape == (2, 2, 64, 250)
+  assert p.v.shape == (2, 2, 64, 250)
   np.testing.assert_array_equal(
-      np.asarray(p["v"].astype(jnp.float32)),
+      np.asarray(p.v.astype(jnp.float32)),
       np.asarray(ref["v"].astype(jnp.float32)).transpose(0, 2, 3, 1))
 
 
@@ -101,17 +103,17 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
 def test_v_in_mosaic_key_order(method):
   """With ``v_key_order`` the V kernel stores each 16-key chunk in the
   Mosaic kernel's register-operand order (S padded to 16)."""
-  from pallas_kernels import mosaic
   q, k, v, lens = _inputs(12, s=250)
-  cfg = jaxattn.base.get_method(method).config_cls.from_options()
-  plain = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1, config=cfg)
-  ordered = prepare.kernel_inputs(method, q, k, v, lens, scale=0.1,
-                                  config=cfg, v_key_order=True)
-  assert ordered["v_keys_ordered"] and not plain["v_keys_ordered"]
-  padded = np.pad(np.asarray(plain["v"].astype(jnp.float32)),
+  cfg = methods.get(method).config_cls.from_options()
+  plain = prepare.quantized_operands(method, q, k, v, lens, scale=0.1,
+                                    config=cfg)
+  ordered = prepare.quantized_operands(method, q, k, v, lens, scale=0.1,
+                                      config=cfg, v_key_order=True)
+  assert ordered.v_keys_ordered and not plain.v_keys_ordered
+  padded = np.pad(np.asarray(plain.v.astype(jnp.float32)),
                   [(0, 0), (0, 0), (0, 0), (0, 6)])
-  np.testing.assert_array_equal(np.asarray(ordered["v"].astype(jnp.float32)),
-                                padded[..., mosaic.key_order(256)])
+  np.testing.assert_array_equal(np.asarray(ordered.v.astype(jnp.float32)),
+                                padded[..., quantizers.key_order(256)])
 
 
 @pytest.mark.parametrize("method,opts,shape", [
@@ -125,12 +127,12 @@ def test_v_in_mosaic_key_order(method):
     ("fp8", dict(granularity="block", block_k=128, block_q=64), dict(s=77)),
 ], ids=str)
 def test_fused_qk_equals_xla_quantizers(method, opts, shape):
-  """The one-pass Pallas quantizer of Q and K (prepare.rows_operand through
+  """The one-pass Pallas quantizer of Q and K (quantizers.rows_operand through
   prepare.fused_qk) gives the XLA quantizers' values and scales bit for bit,
   and the SageAttention2 bias to float32 accumulation order (key padding,
   lengths that are not multiples of the 128-row tile, head dim 96)."""
   q, k, v, lens = _inputs(len(str(opts)) + len(str(shape)), **shape)
-  cfg = jaxattn.base.get_method(method).config_cls.from_options(**opts)
+  cfg = methods.get(method).config_cls.from_options(**opts)
   fused = jax.jit(lambda *a: prepare.fused_qk(
       method, *a, scale=0.125, config=cfg))(q, k, lens)
   if method == "sage":
@@ -177,8 +179,8 @@ def test_rows_operand_poisoned_tail_and_int4():
   scale."""
   x = jax.random.normal(jax.random.key(3), (1, 200, 2, 64), jnp.float32)
   x = x.at[:, 150:].set(jnp.nan)
-  x8, sc, _ = prepare.rows_operand(x, jnp.array([150]), group=32,
-                                   dtype=jnp.int8, bits=4)
+  x8, sc, _ = quantizers.rows_operand(x, jnp.array([150]), group=32,
+                                      dtype=jnp.int8, bits=4)
   x8, sc = np.asarray(x8), np.asarray(sc)
   assert not np.isnan(sc).any() and (x8[:, 150:] == 0).all()
   assert np.abs(x8).max() == 7
@@ -189,7 +191,8 @@ def test_rows_operand_poisoned_tail_and_int4():
 def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
   """quant.reciprocal corrects the division by up to two ulps with an exact
   integer midpoint test: XLA's float32 division on the GPU is not correctly
-  rounded (run33: 14% of 1/s one ulp off), the kernels' div.rn is.  Here the
+  rounded (on an H100 about 14% of 1/s one ulp off), the kernels' div.rn
+  is.  Here the
   guess is the exact quotient moved by -2..2 ulps, and the plain function
   matches numpy's IEEE division, signs, zeros and powers of two included."""
   rng = np.random.default_rng(0)

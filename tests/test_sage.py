@@ -477,15 +477,15 @@ def test_choose_precision_picks_8bit_for_the_worst_layers():
     if layer % 2 == 0:
       q = q * 4.0
     calib[f"layer{layer}"] = (q, k, v)
-  choice, scores = jaxattn.sage.choose_precision(calib, xi_percent=50,
+  choice, scores = jaxattn.choose_precision(calib, xi_percent=50,
                                                  return_scores=True)
   assert choice == {"layer0": "sage2-8b", "layer1": "sage2-4b",
                     "layer2": "sage2-8b", "layer3": "sage2-4b"}
   assert max(scores["layer0"], scores["layer2"]) < min(scores["layer1"],
                                                        scores["layer3"])
-  assert set(jaxattn.sage.choose_precision(calib, xi_percent=0).values()) == {
+  assert set(jaxattn.choose_precision(calib, xi_percent=0).values()) == {
       "sage2-4b"}
-  assert set(jaxattn.sage.choose_precision(calib, xi_percent=100).values()) \
+  assert set(jaxattn.choose_precision(calib, xi_percent=100).values()) \
       == {"sage2-8b"}
   with pytest.raises(ValueError, match="xi_percent"):
-    jaxattn.sage.choose_precision(calib, xi_percent=120)
+    jaxattn.choose_precision(calib, xi_percent=120)

@@ -64,7 +64,7 @@ def main(argv):
     out_json = argv[i + 1]
     argv = argv[:i] + argv[i + 2:]
   shape = tuple(int(x) for x in argv) if argv else (1, 8, 8192, 128)
-  impls = ["pallas"] + (["mosaic"] if api._is_hopper() else [])
+  impls = ["triton"] + (["mosaic"] if api.BACKENDS["mosaic"].native() else [])
   rows = []
   for outliers in (False, True):
     q, k, v = inputs(shape, outliers)

@@ -3,10 +3,9 @@ each piece of the kernels' quantizers jitted and timed alone.
 
     python3 benchmarks/profiles/quantizers.py [pieces|variants|all]
 
-``pieces`` is run20 (elementwise passes, casts, the whole quantizers, the
-smoothing bias); ``variants`` is run20b (the 8-bit V transpose and the
-smoothing-bias matmul variants).  Logs:
-``benchmarks/results/2026-11-22_h100_run20*_quantizer_profile.log``.
+``pieces``: elementwise passes, casts, the whole quantizers, the smoothing
+bias; ``variants``: the 8-bit V transpose and the smoothing-bias matmul
+variants.
 """
 import sys
 
@@ -14,8 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import fp8, int_flash, quant, sage
-from pallas_kernels import prepare
-from pallas_kernels.tuning import time_call
+from jaxattn import operands as prepare
+from jaxattn.tuning import time_call
 
 b, h, s, d = 2, 32, 8192, 128
 f32 = jnp.float32
@@ -34,10 +33,6 @@ def T(name, fn, *args):
   print(f"{name:45s} {shown}", flush=True)
 
 
-def arrays(dct):
-  return {n: x for n, x in dct.items() if isinstance(x, jax.Array)}
-
-
 def pieces(q, k, v, lens):
   T("copy q (read+write f16)", lambda q: q * 2, q)
   T("read q (sum)", lambda q: q.astype(f32).sum(), q)
@@ -45,7 +40,7 @@ def pieces(q, k, v, lens):
   T("q -> fp8 cast", lambda q: q.astype(jnp.float8_e4m3fn), q)
   T("q -> fp8 quantize_fp8", lambda q: quant.quantize_fp8(q, jnp.float32(3.0)), q)
   T("q -> int8 quantize_int", lambda q: quant.quantize_int(q, jnp.float32(3.0)), q)
-  T("per-token int8 q", lambda q: int_flash._per_token(q), q)
+  T("per-token int8 q", lambda q: int_flash.quantize_per_token(q), q)
   T("row amax q", lambda q: jnp.abs(q.astype(f32)).max(-1), q)
   T("v int8 transpose", lambda v: prepare.kv_heads_last(v.astype(jnp.int8)), v)
   T("int8_inputs", lambda q, k, v, l: prepare.int8_inputs(q, k, v, l, config=int_flash.Int8Config()), q, k, v, lens)
@@ -66,13 +61,12 @@ def pieces(q, k, v, lens):
     qm = q.astype(f32).reshape(b, s // 128, 128, h, d).mean(2)
     return jnp.einsum("bqhd,bshd->bhqs", qm, k.astype(f32), preferred_element_type=f32)
   T("bias identity f32 default", bias_default, q, k, lens)
-  T("kernel_inputs sage", lambda q, k, v, l: arrays(prepare.kernel_inputs(
-      "sage", q, k, v, l, scale=0.088, config=cfg)), q, k, v, lens)
+  T("quantized_operands sage", lambda q, k, v, l: (prepare.quantized_operands("sage", q, k, v, l, scale=0.088, config=cfg)), q, k, v, lens)
 
 
 def variants(q, k, v, lens):
-  T("kernel_inputs int8", lambda q, k, v, l: arrays(prepare.kernel_inputs("int8", q, k, v, l, scale=0.088, config=int_flash.Int8Config())), q, k, v, lens)
-  T("kernel_inputs fp8", lambda q, k, v, l: arrays(prepare.kernel_inputs("fp8", q, k, v, l, scale=0.088, config=fp8.Fp8Config())), q, k, v, lens)
+  T("quantized_operands int8", lambda q, k, v, l: (prepare.quantized_operands("int8", q, k, v, l, scale=0.088, config=int_flash.Int8Config())), q, k, v, lens)
+  T("quantized_operands fp8", lambda q, k, v, l: (prepare.quantized_operands("fp8", q, k, v, l, scale=0.088, config=fp8.Fp8Config())), q, k, v, lens)
   T("int8_inputs", lambda q, k, v, l: prepare.int8_inputs(q, k, v, l, config=int_flash.Int8Config()), q, k, v, lens)
   T("int8_inputs + v transpose", lambda q, k, v, l: (lambda z: {**z, "v": prepare.kv_heads_last(z["v"])})(prepare.int8_inputs(q, k, v, l, config=int_flash.Int8Config())), q, k, v, lens)
   T("int8 v only transposed", lambda v, l: prepare.kv_heads_last(prepare.int8_inputs(v, v, v, l, config=int_flash.Int8Config())["v"]), v, lens)
@@ -80,7 +74,7 @@ def variants(q, k, v, lens):
   def v_t_first(v, l):  # transpose the float16 input first, then quantize in [B,K,D,S]
     vt = prepare.kv_heads_last(v).astype(f32)
     sv = jnp.abs(vt).max(axis=(2, 3)) * int_flash.RCP_R
-    return int_flash._quantize(vt, sv[:, :, None, None])
+    return int_flash.quantize_scaled(vt, sv[:, :, None, None])
   T("int8 v transpose-first", v_t_first, v, lens)
   def ks_of(k, l):
     kf = k.astype(f32); m = kf.mean(1); return kf - m[:, None], m

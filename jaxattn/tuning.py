@@ -1,9 +1,9 @@
-"""Autotuning of the kernel knobs (block sizes, warps, stages) on the current
-device.
+"""Autotuning of the Triton kernels' knobs (tiles, warps, stages) on the
+current device, and the timer the benchmark uses.
 
 ``autotune(method, q, k, v, ...)`` times a few configurations of the method's
-Pallas kernel on the given inputs and returns the fastest as a dict of
-options (``block_q``, ``block_k``, ``num_warps``, ``num_stages``) to pass back
+Triton kernel on the given inputs and returns the fastest as a dict of
+options (``tile_q``, ``block_k``, ``num_warps``, ``num_stages``) to pass back
 to ``jaxattn.dot_product_attention``; results are cached per device kind,
 method, shapes and flags for the life of the process.
 """
@@ -15,12 +15,12 @@ import time
 
 import jax
 
-import jaxattn
+from jaxattn import api
 
 _CACHE: dict[tuple, tuple[dict, list]] = {}
 
 DEFAULT_CANDIDATES = [
-    dict(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
+    dict(tile_q=bq, block_k=bk, num_warps=w, num_stages=st)
     for bq, bk, w, st in itertools.product((64, 128), (64, 128), (4, 8),
                                            (2, 3))
 ]
@@ -64,8 +64,8 @@ def autotune(method, q, k, v, *, is_causal=False, candidates=None,
   results = []
   for c in cands:
     opts = {**c, **fixed}
-    fn = jax.jit(lambda a, b, d, opts=opts: jaxattn.dot_product_attention(
-        a, b, d, method=method, is_causal=is_causal, implementation="pallas",
+    fn = jax.jit(lambda a, b, d, opts=opts: api.dot_product_attention(
+        a, b, d, method=method, is_causal=is_causal, implementation="triton",
         **opts))
     try:
       results.append((opts, time_call(fn, (q, k, v), iters, reps)))

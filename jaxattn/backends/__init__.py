@@ -1,0 +1,79 @@
+"""The backends that run the methods: one module per backend.
+
+Each backend module has
+
+* ``NAME`` and ``TITLE`` (for messages);
+* ``native()``: whether ``implementation=None`` may pick it on this machine
+  (an explicit ``implementation=NAME`` runs anywhere: the kernels run in
+  interpret mode without a GPU);
+* ``ADAPTERS``: the table from method name to :class:`Adapter`, which checks
+  that the backend can honour the call and maps the method's configuration
+  to the kernel's operands and flags.
+
+:mod:`jaxattn.api` holds the table of backends and the order in which
+``implementation=None`` tries them.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+  """What a support check sees of one call: shapes, dtypes and static flags
+  (bias and mask already broadcast; no array values)."""
+  method: str
+  config: Any
+  q: jax.ShapeDtypeStruct   # [B, T, N, D]
+  k: jax.ShapeDtypeStruct   # [B, S, K, D]
+  has_bias: bool
+  has_mask: bool
+  is_causal: bool
+
+
+def _accepts(call: Call) -> None:
+  del call
+
+
+@dataclasses.dataclass(frozen=True)
+class Adapter:
+  """One method on one backend.
+
+  ``run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config)`` takes
+  the normalised BTNH inputs (bias/mask ``[B, N, T, S]`` or None, kv_lens
+  int32 ``[B]``) and returns ``[B, T, N, Dv]`` (any float dtype; the API
+  casts to the query dtype) or the method's tuple.  ``check(call)`` raises
+  NotImplementedError with the reason when the backend cannot run the call
+  as asked, including any option it cannot honour.
+
+  Quantized adapters also expose their two stages, ``prepare(q, k, v,
+  kv_lens, *, scale, config)`` -> :class:`jaxattn.operands.QuantizedOperands`
+  and ``kernel(operands, kv_lens, bias, mask, *, is_causal, config,
+  out_dtype)``, so that the benchmark can time the kernel alone.
+  """
+  run: Callable[..., Any]
+  check: Callable[[Call], None] = _accepts
+  prepare: Callable[..., Any] | None = None
+  kernel: Callable[..., Any] | None = None
+
+
+def two_stage(prepare, kernel, check=_accepts) -> Adapter:
+  """An adapter that quantizes (``prepare``) and then runs ``kernel`` on the
+  operands, returning the query dtype."""
+  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+    ops = prepare(q, k, v, kv_lens, scale=scale, config=config)
+    return kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
+                  config=config, out_dtype=q.dtype)
+  return Adapter(run=run, check=check, prepare=prepare, kernel=kernel)
+
+
+def refuse_options(config, names, why: str) -> None:
+  """NotImplementedError naming the options of ``names`` that ``config``
+  sets (not None): the backend cannot honour them."""
+  given = [n for n in names if getattr(config, n, None) is not None]
+  if given:
+    raise NotImplementedError(
+        f"{', '.join(f'{n}={getattr(config, n)!r}' for n in given)}: {why}")

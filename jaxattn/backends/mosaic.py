@@ -1,0 +1,150 @@
+"""The Mosaic backend: the warp-specialised Hopper kernel
+(:func:`pallas_kernels.mosaic.mosaic_attention`, Pallas Mosaic GPU) on an
+H100/H200, or Mosaic GPU's interpreter without a GPU.
+
+=========  ======================  ========================================
+method     kernel flags            operands
+=========  ======================  ========================================
+"fp32"     ``qk = pv = "fp16"``    the float16/bfloat16 inputs
+"pasa"     ``pasa_inva``           shifted keys (:func:`jaxattn.pasa.kernel_keys`)
+"sage"     ``qk="int8"``, ``pv``   :func:`jaxattn.operands.quantized_operands`
+"int8"     ``qk="int8"``, ``pv``   same
+"fp8"      ``qk = pv = "fp8"``     same
+=========  ======================  ========================================
+
+The kernel takes head dims 64 and 128, no bias or mask, and keys in blocks
+of 64 or 128; its tiles are fixed, so it refuses the Triton kernels' knobs
+(``tile_q``, ``num_warps``, ``num_stages``) rather than ignoring them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from jaxattn import operands, pasa
+from jaxattn.backends import Adapter, Call, refuse_options, two_stage
+from pallas_kernels import common, mosaic
+
+NAME = "mosaic"
+TITLE = "Mosaic GPU"
+BLOCK_KS = (64, 128)
+TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
+
+
+def native() -> bool:
+  return common.is_hopper()
+
+
+def _check_common(call: Call) -> None:
+  d = call.q.shape[-1]
+  if call.has_bias or call.has_mask:
+    raise NotImplementedError(
+        "the Mosaic kernel does not take a bias or mask (use "
+        "implementation='triton')")
+  if d not in mosaic.HEAD_DIMS:
+    raise NotImplementedError(
+        f"the Mosaic kernel does not take head dim {d} (it takes "
+        f"{' and '.join(map(str, mosaic.HEAD_DIMS))})")
+  refuse_options(call.config, TRITON_KNOBS,
+                 "Triton kernel knobs; the Mosaic kernel's tiles are fixed "
+                 "(use implementation='triton')")
+  block_k = getattr(call.config, "block_k", None)
+  if block_k is not None and block_k not in BLOCK_KS:
+    raise NotImplementedError(
+        f"block_k={block_k}: the Mosaic kernel takes blocks of "
+        f"{' or '.join(map(str, BLOCK_KS))} keys")
+
+
+def _check_fp32(call: Call) -> None:
+  _check_common(call)
+  if jnp.dtype(call.q.dtype) not in (jnp.float16, jnp.bfloat16):
+    raise NotImplementedError(
+        f"{call.q.dtype} inputs: the Mosaic 'fp32' kernel takes "
+        "float16/bfloat16 (use implementation='triton')")
+
+
+def _check_pasa(call: Call) -> None:
+  _check_common(call)
+  if jnp.dtype(call.config.compute_dtype) != jnp.float16:
+    raise NotImplementedError(
+        f"PASA compute_dtype={call.config.compute_dtype}: the kernel "
+        "computes in float16")
+
+
+def _check_sage(call: Call) -> None:
+  _check_common(call)
+  if call.config.smooth_q and call.config.block_q % 128:
+    raise NotImplementedError(
+        f"sage block_q={call.config.block_q}: with smooth_q the Mosaic "
+        "kernel needs a multiple of 128 (its tile of query rows)")
+
+
+def _check_fp8(call: Call) -> None:
+  _check_common(call)
+  if call.config.granularity == "block" and call.config.block_q % 64:
+    raise NotImplementedError(
+        f"fp8 block granularity with block_q={call.config.block_q}: the "
+        "Mosaic kernel needs a multiple of 64")
+
+
+def _out_dtype(dtype):
+  """The kernel writes 16-bit output tiles: bfloat16 stays, else float16."""
+  return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float16
+
+
+def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  del bias, mask  # refused by the check
+  params = mosaic.MosaicParams(block_k=config.block_k or 128)
+  return mosaic.mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="fp16",
+                                 pv="fp16", is_causal=is_causal, scale=scale,
+                                 params=params, out_dtype=q.dtype)
+
+
+def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """PASA's keys shifted once per block (as for the Triton kernel), then
+  its float16 softmax in the kernel; float16 output."""
+  del bias, mask
+  k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
+  f16 = jnp.float16
+  return mosaic.mosaic_attention(
+      q.astype(f16), k_shifted, v.astype(f16), kv_lens, qk="fp16", pv="fp16",
+      is_causal=is_causal, params=mosaic.MosaicParams(block_k=config.block_k),
+      pasa_inva=inva, out_dtype=f16)
+
+
+def _prepare(method, q, k, v, kv_lens, *, scale, config):
+  """int4 Q, K in int8 containers (no int4 tensor cores); an 8-bit V in the
+  register-operand key order where P comes from registers."""
+  return operands.quantized_operands(
+      method, q, k, v, kv_lens, scale=scale, config=config, pack_int4=False,
+      v_key_order=mosaic.p_in_registers())
+
+
+def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
+            *, is_causal, config, out_dtype):
+  """The kernel on :class:`jaxattn.operands.QuantizedOperands`.  The
+  method's ``block_k`` is the kernel's: it is part of the numerics (the
+  online softmax rounds P against each block's running max; scale
+  groups)."""
+  del bias, mask
+  return mosaic.mosaic_attention(
+      ops.q, ops.k, ops.v, kv_lens, qk=ops.qk, pv=ops.pv, is_causal=is_causal,
+      params=mosaic.MosaicParams(block_k=config.block_k),
+      q_scale=ops.q_scale, k_scale=ops.k_scale, q_block_bias=ops.q_block_bias,
+      bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
+      out_scale=ops.out_scale, out_shift=ops.out_shift,
+      v_keys_ordered=ops.v_keys_ordered,
+      out_dtype=_out_dtype(out_dtype))
+
+
+ADAPTERS = {
+    "fp32": Adapter(run=_fp32, check=_check_fp32),
+    "pasa": Adapter(run=_pasa, check=_check_pasa),
+    "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
+                      check=_check_sage),
+    "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
+                      check=_check_common),
+    "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
+                     check=_check_fp8),
+}

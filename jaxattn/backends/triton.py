@@ -1,0 +1,127 @@
+"""The Triton backend (Pallas with the Triton lowering; any CUDA GPU, or
+Pallas interpret mode without one).
+
+=============  ===========================================  ==================
+method         kernel                                       operands
+=============  ===========================================  ==================
+"fp32"         :func:`pallas_kernels.flash.flash_attention`  the inputs
+"fp16_fp32"    same, ``precision="fp16_fp32"``               float16 inputs
+"fp16"         same, ``precision="fp16"``                    float16 inputs
+"pasa"         same, ``precision="pasa"``                    shifted keys
+                                                             (:func:`jaxattn.pasa.kernel_keys`)
+"sage"         :func:`pallas_kernels.quantized.quantized_attention`  :func:`jaxattn.operands.quantized_operands`
+"int8"         same                                         same
+"fmha_int8"    same, ``pv="uint8"``                          :func:`jaxattn.operands.fmha_operands`
+=============  ===========================================  ==================
+
+"fp8" has no Triton kernel (the Triton lowering here has no fp8 x fp8
+matmul with per-row scales); it runs on the Mosaic kernel or the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+
+from jaxattn import fmha, operands, pasa
+from jaxattn.backends import Adapter, Call, two_stage
+from pallas_kernels import common, flash, quantized
+
+NAME = "triton"
+TITLE = "Triton"
+
+
+def native() -> bool:
+  return common.has_gpu()
+
+
+def flash_params(precision: str, head_dim: int, config) -> common.KernelParams:
+  """The flash kernel's tuned table (:func:`pallas_kernels.flash.
+  default_params`) overridden by the config's ``tile_q``, ``num_warps``,
+  ``num_stages`` and ``block_k`` (PASA's ``block_k`` is the size of its
+  shifting matrix, always the config's)."""
+  p = flash.default_params(precision, head_dim)
+  return common.KernelParams(
+      block_q=config.tile_q or p.block_q,
+      block_k=config.block_k or p.block_k,
+      num_warps=config.num_warps or p.num_warps,
+      num_stages=config.num_stages or p.num_stages)
+
+
+def quantized_params(head_dim: int, config) -> common.KernelParams:
+  """The quantized kernel's tuned table for the method's ``block_k``
+  (:func:`pallas_kernels.quantized.default_params`) overridden by the
+  config's Triton knobs (``tile_q``, ``num_warps``, ``num_stages``) where
+  it has them."""
+  p = quantized.default_params(head_dim, config.block_k)
+  return common.KernelParams(
+      block_q=getattr(config, "tile_q", None) or p.block_q,
+      block_k=config.block_k,
+      num_warps=getattr(config, "num_warps", None) or p.num_warps,
+      num_stages=getattr(config, "num_stages", None) or p.num_stages)
+
+
+def _flash(precision):
+  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+    params = flash_params(precision, q.shape[-1], config)
+    return flash.flash_attention(q, k, v, kv_lens, bias, mask, scale=scale,
+                                 is_causal=is_causal, precision=precision,
+                                 params=params)
+  return Adapter(run=run)
+
+
+def _check_pasa(call: Call) -> None:
+  if jnp.dtype(call.config.compute_dtype) != jnp.float16:
+    raise NotImplementedError(
+        f"PASA compute_dtype={call.config.compute_dtype}: the kernels "
+        "compute in float16; use implementation='reference'")
+
+
+def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
+  return flash.flash_attention(
+      q, k_shifted, v, kv_lens, bias, mask, scale=inva, is_causal=is_causal,
+      precision="pasa", params=flash_params("pasa", q.shape[-1], config))
+
+
+def _prepare(method, q, k, v, kv_lens, *, scale, config):
+  return operands.quantized_operands(method, q, k, v, kv_lens, scale=scale,
+                                     config=config, pack_int4=True)
+
+
+def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
+            *, is_causal, config, out_dtype):
+  """The quantized kernel on :class:`jaxattn.operands.QuantizedOperands`
+  (``head_dim``: the unpacked width, for the tuned table)."""
+  head_dim = ops.k.shape[-1] * (2 if ops.qk == "int4" else 1)
+  return quantized.quantized_attention(
+      ops.q, ops.q_scale, ops.k, ops.k_scale, ops.v, kv_lens, bias, mask,
+      qk=ops.qk, pv=ops.pv, is_causal=is_causal,
+      params=quantized_params(head_dim, config),
+      v_block_scale=ops.v_block_scale, v_colsum=ops.v_colsum,
+      q_block_bias=ops.q_block_bias, bias_rows=ops.bias_rows,
+      out_scale=ops.out_scale, out_shift=ops.out_shift, out_dtype=out_dtype)
+
+
+def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  """The uint8-P kernel, then the method's output quantization."""
+  ops, v_scale = operands.fmha_operands(q, k, v, kv_lens, scale=scale,
+                                        config=config, block_k=config.block_k)
+  o = _kernel(ops, kv_lens, bias, mask, is_causal=is_causal, config=config,
+              out_dtype=jnp.float32)
+  o_i8, o_scale = fmha.fmha_quantize_output(o * (v_scale / 255.0),
+                                            config=config)
+  if config.return_int8:
+    return o_i8, o_scale
+  return o_i8.astype(jnp.float32) * o_scale
+
+
+ADAPTERS = {
+    "fp32": _flash("fp32"),
+    "fp16_fp32": _flash("fp16_fp32"),
+    "fp16": _flash("fp16"),
+    "pasa": Adapter(run=_pasa, check=_check_pasa),
+    "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
+    "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
+    "fmha_int8": Adapter(run=_fmha),
+}

@@ -1,0 +1,495 @@
+"""Quantized operands: what the quantized kernels take, built once by the
+same quantizers for every backend.
+
+:func:`quantized_operands` quantizes Q, K and V for ``method`` ("sage",
+"int8", "fp8") with the references' arithmetic, bit for bit, and lays them
+out the way the kernels take them (:class:`QuantizedOperands`).  Q and K go
+through one Pallas kernel (:func:`pallas_kernels.quantizers.rows_operand`,
+by way of :func:`fused_qk`): each read once after its mean, with per-row
+query scales that fold in ``scale * log2 e`` (the softmax runs in base 2),
+per-key K scales, and SageAttention2's smoothing bias from the same key
+tiles.  The 8-bit V is written once by another
+(:func:`pallas_kernels.quantizers.v_operand`), transposed to ``[B, K, D,
+S]``, beside the per-channel epilogue ``O / l * out_scale + out_shift``.
+Per-tensor ("tensor") scales keep the BTNH XLA quantizers
+(:func:`sage_inputs`, :func:`int8_inputs`, :func:`fp8_inputs`, which are
+also the bit-for-bit checks of the Pallas quantizers).
+
+:func:`fmha_operands` does the same for the 8-bit FMHA (uint8 P against int8
+V through the column-sum identity).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import base, fmha, fp8, int_flash, quant, sage
+from pallas_kernels import quantizers
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class QuantizedOperands:
+  """The operands and scales of a quantized kernel call (a pytree; the
+  operand types and layout flags are static).
+
+  Attributes:
+    q: ``[B, T, N, D]`` int8 (int4 values for ``qk="int4"`` packed two per
+      byte in halves: ``[B, T, N, ceil(D / 2)]``) or float8_e4m3fn.
+    q_scale: float32 ``[B, T, N]``, times ``scale * log2 e``.
+    k: ``[B, S, K, D]`` like ``q``; k_scale: float32 ``[B, S, K]``.
+    v: 8-bit ``[B, K, D, S]`` (key dimension contiguous; with
+      ``v_keys_ordered`` each 16-key chunk in the Mosaic kernel's
+      register-operand order, S padded to 16), or float16 ``[B, S, K, D]``
+      for ``pv="fp16"``.
+    q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2 score
+      bias shared by each block of ``bias_rows`` query rows
+      (SageAttention2's ``c q_m K_smoothed^T``), or None.
+    v_block_scale: float32 ``[B, K, ceil(S / block_k)]``, or None.
+    v_colsum: int32 ``[B, K, ceil(S / block_k), D]`` column sums of each
+      int8 V block (``pv="uint8"``), or None.
+    out_scale, out_shift: float32 ``[B, K, D]``, the epilogue ``O / l *
+      out_scale + out_shift``, or None.
+    qk: "int8", "int4" or "fp8"; pv: "int8", "fp8", "fp16" or "uint8".
+    bias_rows: query rows per ``q_block_bias`` row.
+    v_keys_ordered: V's keys are in the register-operand order.
+  """
+  q: jax.Array
+  q_scale: jax.Array
+  k: jax.Array
+  k_scale: jax.Array
+  v: jax.Array
+  q_block_bias: jax.Array | None = None
+  v_block_scale: jax.Array | None = None
+  v_colsum: jax.Array | None = None
+  out_scale: jax.Array | None = None
+  out_shift: jax.Array | None = None
+  qk: str = dataclasses.field(default="int8", metadata=dict(static=True))
+  pv: str = dataclasses.field(default="int8", metadata=dict(static=True))
+  bias_rows: int | None = dataclasses.field(default=None,
+                                            metadata=dict(static=True))
+  v_keys_ordered: bool = dataclasses.field(default=False,
+                                           metadata=dict(static=True))
+
+
+def kv_heads_last(x):
+  """``[B, S, K, D] -> [B, K, D, S]`` (the 8-bit PV operand layout)."""
+  return x.transpose(0, 2, 3, 1)
+
+
+def _channels(x, shape):
+  """A per-head scale ``[B, K]`` (or per-channel ``[B, K, D]``) as
+  ``[B, K, D]`` float32."""
+  x = x.astype(jnp.float32)
+  return jnp.broadcast_to(x[..., None] if x.ndim == 2 else x, shape)
+
+
+def _pack_int4(x):
+  """int4 values in int8 containers ``[..., D]`` -> int8 ``[..., ceil(D /
+  2)]`` packed in halves (an odd ``D`` gets a zero channel first)."""
+  x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, x.shape[-1] % 2)])
+  return quant.pack_int4_halves(x)
+
+
+# The quantizers below are the references' (jaxattn.sage.sage_quantize,
+# jaxattn.int_flash.int8_quantize, jaxattn.fp8.fp8_quantize) written on the
+# BTNH arrays directly instead of per head through vmap: the same values
+# (tests/test_prepare.py checks them bit for bit), in fewer passes over
+# memory and without the transposes that vmap's head axis costs.
+
+
+def _group_amax(x, group: int):
+  """``max |x|`` of ``x`` ``[B, L, H, D]`` over groups of ``group`` rows (and
+  ``D``): ``[B, ceil(L / group), H]`` (a group longer than ``L`` is one)."""
+  n = x.shape[1]
+  group = max(1, min(group, n))
+  amax = jnp.abs(x).max(axis=-1)                         # [B, L, H]
+  amax = jnp.pad(amax, [(0, 0), (0, -n % group), (0, 0)])
+  return amax.reshape(amax.shape[0], -1, group, amax.shape[2]).max(axis=2)
+
+
+def _expand(per_group, group: int, n: int):
+  """``[B, G, H]`` per-group values as one per row ``[B, n, H]``."""
+  return jnp.repeat(per_group, max(1, min(group, n)), axis=1)[:, :n]
+
+
+def _group_scales(x, group: int, bits: int):
+  """Per-row scales ``fl(amax * fl(1/qmax))`` of ``x`` ``[B, L, H, D]`` over
+  groups of rows: ``[B, L, H]`` (:func:`jaxattn.sage._row_scales`)."""
+  rcp = np.float32(1.0 / quant.qmax(bits))
+  per_group = sage.rounded(_group_amax(x, group) * rcp)
+  return _expand(per_group, group, x.shape[1])
+
+
+def _valid_keys(k, kv_lens):
+  """``[B, S, 1, 1]``: key ``s`` of batch ``b`` is below ``kv_lens[b]``."""
+  return base.zero_beyond(jnp.ones(k.shape[:2] + (1, 1), bool), kv_lens, 1)
+
+
+def _key_mean(x, kv_lens):
+  """SageAttention2's token mean ``fl(sum_s x * fl(1 / n))`` over the ``n =
+  min(kv_len, S)`` visible keys of ``x`` ``[B, S, K, D]``: ``[B, K, D]``
+  float32 (:func:`jaxattn.sage.quantize_kv_head`'s ``k_mean``)."""
+  s = x.shape[1]
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
+  visible = jnp.where(_valid_keys(x, kv_lens), x.astype(jnp.float32), 0.0)
+  return sage.rounded(visible.sum(axis=1) * count[:, None, None])
+
+
+def _query_block_means(q, block_q: int):
+  """SageAttention2's query-block means ``fl(sum x * fl(1 / count))`` of
+  ``q`` ``[B, T, N, D]`` over blocks of ``block_q`` rows (the last one
+  partial): ``[B, ceil(T / block_q), N, D]`` float32, and ``q`` float32
+  padded to whole blocks ``[B, nqb, block_q, N, D]``."""
+  b, t, n, d = q.shape
+  nqb = -(-t // block_q)
+  qf = jnp.pad(q.astype(jnp.float32),
+               [(0, 0), (0, nqb * block_q - t), (0, 0), (0, 0)])
+  qf = qf.reshape(b, nqb, block_q, n, d)
+  counts = jnp.clip(t - jnp.arange(nqb) * block_q, 1, block_q)
+  rcp = quant.reciprocal(counts.astype(jnp.float32))[None, :, None, None]
+  return sage.rounded(qf.sum(axis=2) * rcp), qf
+
+
+def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
+                qk_values: bool = True) -> dict:
+  """:func:`jaxattn.int_flash.int8_quantize` on BTNH arrays (same entries;
+  ``v_values=False`` leaves out the int8 V, keeping its scale: the kernels
+  take V from :func:`quantizers.v_operand`; ``qk_values=False`` leaves out Q and K and
+  their scales: :func:`fused_qk` makes them)."""
+  f32 = jnp.float32
+  valid = _valid_keys(k, kv_lens)
+  out = {}
+  if qk_values:
+    q8, q_scale = int_flash.quantize_per_token(q)
+    k8, k_scale = int_flash.quantize_per_token(jnp.where(valid, k.astype(f32), 0.0))
+    out = dict(q=q8, q_scale=q_scale, k=k8, k_scale=k_scale)
+  vf = jnp.where(valid, v.astype(f32), 0.0)
+  if config.pv_dtype == "fp16":
+    out["v"] = vf.astype(jnp.float16)
+    return out
+  if config.v_granularity == "tensor":
+    out["v_scale"] = jnp.abs(vf).max(axis=(1, 3)) * int_flash.RCP_R  # [B, K]
+    rows = out["v_scale"][:, None, :, None]
+  else:                                                     # [B, nb, K]
+    out["v_scale"] = _group_amax(vf, config.block_k) * int_flash.RCP_R
+    rows = _expand(out["v_scale"], config.block_k, vf.shape[1])[..., None]
+  if v_values:
+    out["v"] = int_flash.quantize_scaled(vf, rows)
+  return out
+
+
+def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
+               qk_values: bool = True) -> dict:
+  """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries;
+  ``v_values=False`` leaves out the fp8 V, keeping its scale;
+  ``qk_values=False`` leaves out Q, K and their scales)."""
+  f32 = jnp.float32
+  valid = _valid_keys(k, kv_lens)
+  block = config.granularity == "block"
+
+  def quantize(x, group, values=True):
+    if not block:
+      sc = jnp.abs(x).max(axis=(1, 3)) * fp8.RCP_FP8_MAX   # [B, H]
+      inv = quant.reciprocal(sc)[:, None, :, None]
+    else:
+      sc = _group_amax(x, group) * fp8.RCP_FP8_MAX         # [B, G, H]
+      inv = quant.reciprocal(_expand(sc, group, x.shape[1]))[..., None]
+    return (quant.quantize_fp8(x, inv) if values else None), sc
+
+  v8, sv = quantize(jnp.where(valid, v.astype(f32), 0.0), config.block_k,
+                    v_values)
+  out = dict(v_scale=sv)
+  if qk_values:
+    q8, sq = quantize(q.astype(f32), config.block_q)
+    k8, sk = quantize(jnp.where(valid, k.astype(f32), 0.0), config.block_k)
+    out.update(q=q8, q_scale=sq, k=k8, k_scale=sk)
+  return {**out, "v": v8} if v_values else out
+
+
+def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
+                v_values: bool = True) -> dict:
+  """SageAttention2's pre-processing written on the BTNH arrays directly:
+  the same quantized values and scales as :func:`jaxattn.sage.sage_quantize`
+  (the reference, per head through ``vmap``), in fewer passes and without
+  its per-head layouts, the float32 smoothed-key copy or the transposes.
+
+  Returns ``q`` int8 ``[B, T, N, D]``, ``q_scale_folded`` ``[B, T, N]``,
+  ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``v``
+  (float8_e4m3fn or float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
+  ``v_mean`` ``[B, K, D]``, and ``smooth_bias`` ``[B, N, nqb, S]`` (base e,
+  ``q_m K_smoothed^T``) when ``smooth_q``.  ``v_values=False`` leaves out
+  the fp8 V, keeping its scale and mean.
+  """
+  f32 = jnp.float32
+  b, t, n, d = q.shape
+  s, nk = k.shape[1], k.shape[2]
+  g = n // nk
+  bits = config.bits
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  valid = _valid_keys(k, kv_lens)
+  out = {}
+
+  k_mean = (_key_mean(k, kv_lens) if config.smooth_k
+            else jnp.zeros((b, nk, d), f32))             # [B, K, D]
+  ks = jnp.where(valid, k.astype(f32) - k_mean[:, None], 0.0)
+  k_scale = _group_scales(ks, sage.k_group_rows(config, s), bits)
+  out["k"] = quant.quantize_int(ks, quant.reciprocal(k_scale)[..., None], bits)
+  out["k_scale"] = k_scale
+  out.update(sage_v_stats(v, kv_lens, config))
+  if config.pv_dtype == "fp8" and v_values:
+    vs = jnp.where(valid, v.astype(f32) - out["v_mean"][:, None], 0.0)
+    out["v"] = quant.quantize_fp8(vs, quant.reciprocal(out["v_scale"])[:, None])
+
+  bq = config.block_q
+  q_mean, qf = _query_block_means(q, bq)                 # [B, nqb, N, D]
+  nqb = qf.shape[1]
+  if config.smooth_q:
+    qm = q_mean.reshape(b, nqb, nk, g, d)
+    out["smooth_bias"] = jnp.einsum(
+        "bqkgd,bskd->bkgqs", qm, ks, precision=jax.lax.Precision.HIGHEST,
+        preferred_element_type=f32).reshape(b, n, nqb, s)
+    real = (jnp.arange(nqb * bq) < t).reshape(1, nqb, bq, 1, 1)
+    qf = jnp.where(real, qf - q_mean[:, :, None], 0.0)
+  qs = qf.reshape(b, nqb * bq, n, d)
+  q_scale = _group_scales(qs, sage.q_group_rows(config, nqb * bq), bits)
+  q_scale, qs = q_scale[:, :t], qs[:, :t]
+  out["q"] = quant.quantize_int(qs, quant.reciprocal(q_scale)[..., None], bits)
+  out["q_scale_folded"] = q_scale * sage.log2_scale(scale)
+  return out
+
+
+def _fits_rows_kernel(*groups) -> bool:
+  """:func:`quantizers.rows_operand` takes groups of 1 to 128 rows (powers of two);
+  "tensor" scales (one amax over the whole sequence) stay with XLA."""
+  return all(g in (1, 2, 4, 8, 16, 32, 64, 128) for g in groups)
+
+
+def fused_qk(method: str, q, k, kv_lens, *, scale: float,
+             config) -> dict | None:
+  """The 8-bit (or int4-valued) Q and K of ``method`` by :func:`quantizers.rows_operand`:
+  each read once after its mean (SageAttention2's smoothing; XLA's reduction
+  pass), the SageAttention2 bias from the same key tiles.  The values and
+  scales of :func:`sage_inputs` / :func:`int8_inputs` / :func:`fp8_inputs`
+  bit for bit; ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2
+  e`` folded into ``q_m``) to float32 accumulation order.  None where a
+  granularity needs a whole-sequence amax ("tensor"): the XLA quantizers
+  then.
+
+  Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
+  ``[B, S, K]``, and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
+  None.
+  """
+  b, t, n, d = q.shape
+  s, nk = k.shape[1], k.shape[2]
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  q_lens = jnp.full((b,), t, jnp.int32)
+  if method == "int8":
+    q8, q_scale, _ = quantizers.rows_operand(q, q_lens, group=1, dtype=jnp.int8)
+    k8, k_scale, _ = quantizers.rows_operand(k, kv_lens, group=1, dtype=jnp.int8)
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+  if method == "fp8":
+    if config.granularity != "block" or not _fits_rows_kernel(
+        config.block_q, config.block_k):
+      return None
+    fp8 = jnp.float8_e4m3fn
+    q8, q_scale, _ = quantizers.rows_operand(q, q_lens, group=config.block_q, dtype=fp8,
+                                  block=max(128, config.block_q))
+    k8, k_scale, _ = quantizers.rows_operand(k, kv_lens, group=config.block_k, dtype=fp8,
+                                  block=max(128, config.block_k))
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+  if method != "sage":
+    raise ValueError(f"no quantized kernel inputs for method {method!r}")
+  bq = config.block_q
+  q_group = sage.q_group_rows(config, -(-t // bq) * bq)
+  k_group = sage.k_group_rows(config, s)
+  if not _fits_rows_kernel(q_group, k_group, bq):
+    return None
+  f32 = jnp.float32
+  k_mean = _key_mean(k, kv_lens) if config.smooth_k else jnp.zeros(
+      (b, nk, d), f32)
+  q_mean = bias_q = None
+  if config.smooth_q:
+    q_mean, _ = _query_block_means(q, bq)             # [B, nqb, N, D]
+    nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
+    bias_q = (q_mean * sage.log2_scale(scale)).reshape(
+        b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
+  bits = config.bits
+  q8, q_scale, _ = quantizers.rows_operand(
+      q, q_lens, group=q_group, dtype=jnp.int8, bits=bits, shift=q_mean,
+      block=bq if config.smooth_q else max(128, q_group))
+  k8, k_scale, bias = quantizers.rows_operand(
+      k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
+      shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,
+      block=max(128, k_group))
+  if bias is not None:                              # [B, N, nqb, S]
+    bias = bias.reshape(b, n, -1, s)
+  return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
+              q_block_bias=bias)
+
+
+def sage_v_stats(v, kv_lens, config) -> dict:
+  """SageAttention2's V statistics in one reduction pass: ``v_mean``
+  ``[B, K, D]`` (zeros without ``smooth_v``) and, for ``pv_dtype="fp8"``,
+  ``v_scale = fl(max_s |fl(v - v_mean)| * fl(1/448))`` per channel, the
+  same values as :func:`sage_inputs` from the channel's max and min
+  (``fl(. - m)`` is monotonic, so ``max |fl(v - m)| = max(fl(v_max - m),
+  fl(m - v_min))``) instead of a second pass over the smoothed V; with
+  ``pv_dtype="fp16"`` the smoothed float16 ``v``."""
+  f32 = jnp.float32
+  b, s, nk, d = v.shape
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  valid = _valid_keys(v, kv_lens)
+  vf = v.astype(f32)
+  mean = _key_mean(v, kv_lens) if config.smooth_v else jnp.zeros(
+      (b, nk, d), f32)
+  if config.pv_dtype != "fp8":
+    return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
+                .astype(jnp.float16))
+  hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
+  lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
+  amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
+  return dict(v_mean=mean,
+              v_scale=sage.rounded(amax * sage.RCP_FP8_MAX))
+
+
+def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
+                       config, pack_int4: bool = True,
+                       v_key_order: bool = False) -> QuantizedOperands:
+  """The quantized operands of ``method`` ("sage", "int8" or "fp8").
+
+  Args:
+    q: ``[B, T, N, D]``; k, v: ``[B, S, K, D]`` (any float dtype); kv_lens
+      int32 ``[B]``; scale: the softmax scale; config: the method's
+      configuration.
+    pack_int4: SageAttention2's int4 Q and K packed two per byte in halves
+      (``qk="int4"``, :func:`jaxattn.quant.pack_int4_halves`; the Triton
+      kernel), else int4 values in int8 containers (``qk="int8"``; the
+      Mosaic kernel).
+    v_key_order: an 8-bit V's keys in the Mosaic kernel's register-operand
+      order (:func:`pallas_kernels.quantizers.key_order`).
+  Returns: :class:`QuantizedOperands`, the references' quantized values and
+    scales bit for bit (SageAttention2's bias to float32 accumulation
+    order).
+  """
+  b, t, n, d = q.shape
+  s_len, nk = k.shape[1], k.shape[2]
+  kv_shape = (b, nk, v.shape[-1])
+  ones = lambda *shape: jnp.ones(shape, jnp.float32)
+
+  def v8(dtype, shift=None, inv_channel=None, inv_row=None):
+    """The 8-bit V ``[B, K, D, S]`` in one pass."""
+    return quantizers.v_operand(
+        v, kv_lens, dtype=dtype,
+        shift=jnp.zeros(kv_shape, jnp.float32) if shift is None else shift,
+        inv_channel=ones(*kv_shape) if inv_channel is None else inv_channel,
+        inv_row=ones(b, nk, s_len) if inv_row is None else inv_row,
+        key_order=v_key_order)
+
+  def per_row(per_group, group):  # [B, G, K] -> one per key [B, K, S]
+    return _expand(per_group, group, s_len).transpose(0, 2, 1)
+
+  fused = fused_qk(method, q, k, kv_lens, scale=scale, config=config)
+  if method == "sage":
+    fp8_pv = config.pv_dtype == "fp8"
+    if fused is None:
+      z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
+                      v_values=False)
+      q_block_bias = (z["smooth_bias"] * sage.log2_scale(scale)
+                      if config.smooth_q else None)
+    else:
+      z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
+               q_scale_folded=fused["q_scale"] * sage.log2_scale(scale),
+               **sage_v_stats(v, kv_lens, config))
+      q_block_bias = fused["q_block_bias"]
+    q8, k8, qk = z["q"], z["k"], "int8"
+    if config.qk_dtype == "int4" and pack_int4:
+      q8, k8, qk = _pack_int4(q8), _pack_int4(k8), "int4"
+    return QuantizedOperands(
+        q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
+        v=(v8(jnp.float8_e4m3fn, shift=z["v_mean"],
+              inv_channel=quant.reciprocal(z["v_scale"]))
+           if fp8_pv else z["v"]),
+        q_block_bias=q_block_bias,
+        out_scale=(z["v_scale"] / quant.FP8_MAX if fp8_pv
+                   else jnp.ones(kv_shape, jnp.float32)),
+        out_shift=z["v_mean"], qk=qk, pv=config.pv_dtype,
+        bias_rows=config.block_q if config.smooth_q else None,
+        v_keys_ordered=v_key_order and fp8_pv)
+  if method == "int8":
+    z = int8_inputs(q, k, v, kv_lens, config=config, v_values=False,
+                    qk_values=fused is None)
+    if fused is not None:
+      z.update(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
+               k_scale=fused["k_scale"])
+    qk_ops = dict(q=z["q"], q_scale=z["q_scale"] * (scale * base.LOG2E),
+                  k=z["k"], k_scale=z["k_scale"], qk="int8",
+                  pv=config.pv_dtype)
+    if config.pv_dtype == "fp16":
+      return QuantizedOperands(v=z["v"], **qk_ops)
+    if config.v_granularity == "block":
+      return QuantizedOperands(
+          v=v8(jnp.int8, inv_row=per_row(quant.reciprocal(z["v_scale"]),
+                                         config.block_k)),
+          v_block_scale=z["v_scale"].transpose(0, 2, 1),
+          v_keys_ordered=v_key_order, **qk_ops)
+    return QuantizedOperands(
+        v=v8(jnp.int8, inv_channel=_channels(quant.reciprocal(z["v_scale"]),
+                                             kv_shape)),
+        out_scale=_channels(z["v_scale"], kv_shape),
+        out_shift=jnp.zeros(kv_shape, jnp.float32),
+        v_keys_ordered=v_key_order, **qk_ops)
+  if method == "fp8":
+    z = fp8_inputs(q, k, v, kv_lens, config=config, v_values=False,
+                   qk_values=fused is None)
+    inv_v = quant.reciprocal(z["v_scale"])
+    if config.granularity == "block":  # scales [B, groups, heads]
+      v_op = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
+      if fused is None:
+        q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
+        k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
+      else:                           # already one per row
+        q_scale, k_scale = fused["q_scale"], fused["k_scale"]
+        z.update(q=fused["q8"], k=fused["k8"])
+      v_block_scale = z["v_scale"].transpose(0, 2, 1)
+      out_scale = jnp.full(kv_shape, 1.0 / quant.FP8_MAX, jnp.float32)
+    else:                              # scales [B, heads]
+      v_op = v8(jnp.float8_e4m3fn, inv_channel=_channels(inv_v, kv_shape))
+      q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
+      k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
+      v_block_scale = None
+      out_scale = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
+    return QuantizedOperands(
+        q=z["q"], q_scale=q_scale * (scale * base.LOG2E), k=z["k"],
+        k_scale=k_scale, v=v_op, v_block_scale=v_block_scale,
+        out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),
+        qk="fp8", pv="fp8", v_keys_ordered=v_key_order)
+  raise ValueError(f"no quantized operands for method {method!r}")
+
+
+def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):
+  """The 8-bit FMHA's operands (:func:`jaxattn.fmha.fmha_quantize`): one
+  scale per tensor folded into ``q_scale`` (times ``scale * log2 e``), unit
+  ``k_scale``, V ``[B, K, D, S]`` int8 with the column sums of each
+  ``block_k``-key block for the uint8 P identity (``pv="uint8"``).
+
+  Returns ``(QuantizedOperands, v_scale)``: the kernel's output times
+  ``v_scale / 255`` is the float output before output quantization.
+  """
+  qz = fmha.fmha_quantize(q, k, v, kv_lens, config=config)
+  b, t, n, _ = q.shape
+  s_factor = qz["q_scale"] * qz["k_scale"] * (scale * base.LOG2E)
+  s_pad = -(-k.shape[1] // block_k) * block_k
+  v8 = jnp.pad(qz["v"], [(0, 0), (0, s_pad - k.shape[1]), (0, 0), (0, 0)])
+  colsum = v8.astype(jnp.int32).reshape(b, s_pad // block_k, block_k,
+                                        *v8.shape[2:])
+  colsum = colsum.sum(axis=2).transpose(0, 2, 1, 3)         # [B, K, nb, Dv]
+  ops = QuantizedOperands(
+      q=qz["q"], q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=qz["k"],
+      k_scale=jnp.ones(k.shape[:3], jnp.float32), v=kv_heads_last(qz["v"]),
+      v_colsum=colsum, qk="int8", pv="uint8")
+  return ops, qz["v_scale"]

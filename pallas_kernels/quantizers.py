@@ -1,0 +1,235 @@
+"""The one-pass quantizer kernels (Pallas, Triton lowering; interpret mode
+on CPU) that make the quantized attention kernels' operands:
+
+* :func:`rows_operand`: Q or K, each row tile read once, shifted (a mean),
+  scaled per group of rows and rounded to int8 (int4 values) or
+  float8_e4m3fn; optionally the score bias ``q_m y^T`` of SageAttention2's
+  query smoothing from the same tile;
+* :func:`v_operand`: V, read once, shifted and scaled, written 8-bit and
+  transposed to ``[B, K, D, S]`` (the key dimension contiguous, as the 8-bit
+  tensor-core PV operand wants), optionally with each 16-key chunk in the
+  Mosaic kernel's register-operand order.
+
+Rounding is exact on the GPU (:func:`common.round_half_even`,
+:func:`common.reciprocal_rn`), so the values equal an XLA quantizer's that
+multiplies by a correctly rounded reciprocal and rounds half to even.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+from pallas_kernels import common
+from pallas_kernels.common import FP8_MAX
+
+# P's key order as the 8-bit wgmma reads it from registers in the Mosaic
+# kernel: within each chunk of 16 keys, thread t of a quad holds keys (2t,
+# 2t+1, 8+2t, 9+2t) in the accumulator layout and the wgmma reads them as
+# keys 4t..4t+3; V's keys are stored in this order.
+KEY_PERMUTATION = np.array([0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14,
+                            15])
+
+
+def key_order(n):
+  """Key indices of ``n`` keys (a multiple of 16) in the register-operand
+  P's order: ``16c + KEY_PERMUTATION[i]`` at position ``16c + i``."""
+  return (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
+
+
+def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
+              block_s, key_order):
+  """One ``[block_s, D]`` tile of V: ``y = (where(visible, v, 0) - shift) *
+  inv_c * inv_r``, quantized and stored transposed ``[D, block_s]``; with
+  ``key_order`` the keys of each 16-key chunk in the Mosaic kernel's
+  register-operand order (key ``8h + 2t + l`` to position ``4t + 2h + l``,
+  :data:`KEY_PERMUTATION`)."""
+  j = pl.program_id(2)
+  rows = j * block_s + jnp.arange(block_s)
+  visible = (rows < len_ref[0])[:, None]
+  x = jnp.where(visible, v_ref[...].astype(jnp.float32), 0.0)
+  y = jnp.where(visible, x - shift_ref[...][None, :], 0.0)
+  y = y * inv_c_ref[...][None, :] * inv_r_ref[...][:, None]
+  if o_ref.dtype == jnp.int8:
+    y = jnp.clip(common.round_half_even(y), -127.0, 127.0)
+  else:                         # float8_e4m3fn
+    y = jnp.clip(y, -FP8_MAX, FP8_MAX)
+  if key_order:
+    d = y.shape[1]
+    y = y.reshape(block_s // 16, 2, 4, 2, d).transpose(0, 2, 1, 3, 4)
+    y = y.reshape(block_s, d)
+  o_ref[...] = y.T.astype(o_ref.dtype)
+
+
+def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
+              key_order=False, block_s=128):
+  """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
+  D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
+  127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
+  * inv_channel * inv_row`` for keys below ``kv_lens`` and 0 beyond: the
+  quantizers' V values bit for bit (one of the two factors is 1; the
+  rounding is :func:`common.round_half_even`, which no fused multiply-add
+  can absorb).
+  ``shift``, ``inv_channel``: float32 ``[B, K, D]``; ``inv_row``: ``[B, K,
+  S]``.  One read of V and one write of its 8-bit copy: XLA would
+  transpose the 8-bit result in a second pass.  ``key_order``: the keys in
+  the Mosaic kernel's register-operand order (:func:`key_order`), ``S``
+  padded to a multiple of 16."""
+  b, s, nk, v_dim = v.shape
+  s_pad = common.round_up(s, block_s)
+  d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
+  v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)  # an edge
+  inv_row = common.pad_axis(inv_row.astype(jnp.float32), 2, s_pad)
+  shift, inv_channel = (common.pad_axis(x.astype(jnp.float32), 2, d_pad)
+                        for x in (shift, inv_channel))
+  d = d_pad
+  chan = pl.BlockSpec((None, None, d), lambda bi, h, j: (bi, h, 0))
+  out = pl.pallas_call(
+      functools.partial(_v_kernel, block_s=block_s, key_order=key_order),
+      grid=(b, nk, s_pad // block_s),
+      in_specs=[pl.BlockSpec((None, block_s, None, d),
+                             lambda bi, h, j: (bi, j, h, 0)),
+                pl.BlockSpec((None, 1), lambda bi, h, j: (bi, 0)),
+                chan, chan,
+                pl.BlockSpec((None, None, block_s), lambda bi, h, j: (bi, h, j))],
+      out_specs=pl.BlockSpec((None, None, d, block_s),
+                             lambda bi, h, j: (bi, h, 0, j)),
+      out_shape=jax.ShapeDtypeStruct((b, nk, d, s_pad), dtype),
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=common.interpret(), name="jaxattn_v_operand",
+  )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
+    shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
+  return out[:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
+
+
+def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk):
+  """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
+  group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
+  ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
+  ``fl(clip(., -448, 448))``); with ``bias_chunk`` also ``q_m y^T`` in
+  float32 (SageAttention2's ``dS = q_m K_smoothed^T``) for every query
+  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time."""
+  refs = list(refs)
+  shift_ref = refs.pop(0) if shift else None
+  qm_ref = refs.pop(0) if bias_chunk else None
+  o_ref, scale_ref, *bias_ref = refs
+  block = x_ref.shape[0]
+  rows = pl.program_id(1) * block + jnp.arange(block)
+  keep = (rows < len_ref[0])[:, None]
+  y = jnp.where(keep, x_ref[...].astype(jnp.float32), 0.0)
+  if shift:
+    y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
+  amax = jnp.abs(y).max(axis=1)
+  if group > 1:
+    per_group = amax.reshape(block // group, group).max(axis=1)
+    amax = jnp.broadcast_to(per_group[:, None],
+                            (block // group, group)).reshape(block)
+  scale = amax * np.float32(1.0 / qmax)
+  z = y * common.reciprocal_rn(scale)[:, None]
+  if o_ref.dtype == jnp.int8:
+    z = jnp.clip(common.round_half_even(z), -qmax, qmax)
+  else:
+    z = jnp.clip(z, -FP8_MAX, FP8_MAX)
+  o_ref[...] = z.astype(o_ref.dtype)
+  scale_ref[...] = scale
+  if bias_chunk:
+    # Three TF32 tensor-core products (hi*hi + hi*lo + lo*hi): float32
+    # accuracy; Triton's IEEE float32 dot runs on the FMA units at a few
+    # percent of their peak.
+    precision = (jax.lax.Precision.HIGHEST if common.interpret()
+                 else jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3)
+
+    def chunk(c, carry):
+      at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
+      bias_ref[0][at, :] = jax.lax.dot_general(
+          qm_ref[at, :], y, (((1,), (1,)), ((), ())),
+          preferred_element_type=jnp.float32, precision=precision)
+      return carry
+    jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, chunk, 0)
+
+
+def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
+                 bias_q_mean=None, block: int = 128,
+                 num_warps: int | None = None, bias_chunk: int | None = None):
+  """Q or K quantized per group of rows in one pass (a Pallas kernel).
+
+  ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
+  are zeros: the key padding, or ``L`` for queries); ``group`` rows per
+  scale, a power of two dividing ``block`` (1: per token); ``dtype`` int8
+  (``qmax = 2^(bits-1) - 1``) or float8_e4m3fn (``qmax = 448``); ``shift``
+  float32 ``[B, 1, H, D]`` (the key mean) or ``[B, L / block, H, D]`` (one
+  per tile: the query-block means, ``block = block_q``), subtracted before
+  the scales.  Scales are ``fl(amax * fl(1/qmax))``, values
+  ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
+  (fp8), rounded exactly on the GPU through :func:`common.round_half_even`
+  and :func:`common.reciprocal_rn`.
+
+  ``bias_q_mean`` float32 ``[B, H, R, D]`` (SageAttention2's query-block
+  means, ``R`` rows per key head): also returns ``bias`` ``[B, H, R, L]`` =
+  ``q_m y^T`` in float32 (accumulation order aside, the reference's
+  ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
+  never reach memory.
+
+  ``num_warps`` (default 4, 8 with the bias) and ``bias_chunk`` (query-mean
+  rows per bias product, 16 to 64; default the largest that divides) are
+  the kernel's knobs (8 warps and 64-row products were the fastest for the
+  key pass with the bias on an H100).
+
+  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias or
+  None)``.
+  """
+  b, n_rows, h, d = x.shape
+  d_block = pl.next_power_of_2(d)
+  # Rows padded to whole tiles and D to a power of two (copies only then):
+  # the Triton lowering does not mask the stores of a tile past the end of
+  # an axis (a partial last tile wrote over the next batch's first rows on
+  # the GPU), so no tile may cross one.
+  rows_pad = common.round_up(n_rows, block)
+  x = common.pad_axis(common.pad_axis(x, 1, rows_pad), 3, d_block)
+  grid = (b, rows_pad // block, h)
+  qmax = FP8_MAX if dtype == jnp.float8_e4m3fn else 2 ** (bits - 1) - 1
+  in_specs = [pl.BlockSpec((None, block, None, d_block),
+                           lambda bi, j, hi: (bi, j, hi, 0)),
+              pl.BlockSpec((None, 1), lambda bi, j, hi: (bi, 0))]
+  args = [x, jnp.minimum(jnp.asarray(lens, jnp.int32), n_rows).reshape(b, 1)]
+  if shift is not None:
+    per_tile = shift.shape[1] > 1
+    in_specs.append(pl.BlockSpec(
+        (None, None, None, d_block),
+        lambda bi, j, hi: (bi, j if per_tile else 0, hi, 0)))
+    args.append(common.pad_axis(shift.astype(jnp.float32), 3, d_block))
+  out_specs = [pl.BlockSpec((None, block, None, d_block),
+                            lambda bi, j, hi: (bi, j, hi, 0)),
+               pl.BlockSpec((None, block, None), lambda bi, j, hi: (bi, j, hi))]
+  out_shape = [jax.ShapeDtypeStruct(x.shape, dtype),
+               jax.ShapeDtypeStruct((b, rows_pad, h), jnp.float32)]
+  if bias_q_mean is None:
+    bias_chunk = 0
+  else:
+    r = bias_q_mean.shape[2]
+    r_pad = common.round_up(r, 16)
+    bias_chunk = bias_chunk or next(c for c in (64, 32, 16) if r_pad % c == 0)
+    r_pad = common.round_up(r_pad, bias_chunk)
+    in_specs.append(pl.BlockSpec((None, None, r_pad, d_block),
+                                 lambda bi, j, hi: (bi, hi, 0, 0)))
+    args.append(common.pad_axis(common.pad_axis(
+        bias_q_mean.astype(jnp.float32), 2, r_pad), 3, d_block))
+    out_specs.append(pl.BlockSpec((None, None, r_pad, block),
+                                  lambda bi, j, hi: (bi, hi, 0, j)))
+    out_shape.append(jax.ShapeDtypeStruct((b, h, r_pad, rows_pad),
+                                          jnp.float32))
+  outs = pl.pallas_call(
+      functools.partial(_rows_kernel, group=group, qmax=qmax,
+                        shift=shift is not None, bias_chunk=bias_chunk),
+      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=pl_triton.CompilerParams(
+          num_warps=num_warps or (8 if bias_chunk else 4), num_stages=2),
+      interpret=common.interpret(), name="jaxattn_rows_operand",
+  )(*args)
+  bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
+          else None)
+  return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias
