@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import api, methods, operands
+from jaxattn import api, data, methods, metrics, operands
 from jaxattn.report import Progress, new_figure, require_matplotlib
 from jaxattn.tuning import time_call
 from pallas_kernels import common
@@ -98,6 +98,7 @@ def jax_methods(causal, d):
           q, k, v, is_causal=causal, implementation="cudnn")),
       "cudnn_fp16": (jnp.float16, lambda q, k, v: jax.nn.dot_product_attention(
           q, k, v, is_causal=causal, implementation="cudnn")),
+      "cudnn_fp8": (jnp.float16, functools.partial(cudnn_fp8, is_causal=causal)),
   }
   try:
     from jax.experimental.pallas.ops.gpu import attention as jax_pallas
@@ -124,6 +125,78 @@ def jax_methods(causal, d):
         jnp.bfloat16, lambda q, k, v: jaxattn.dot_product_attention(
             q, k, v, is_causal=causal, method="fp32", implementation="mosaic"))
   return out
+
+
+def cudnn_fp8(q, k, v, *, is_causal):
+  """cuDNN's fp8 flash attention (jax's private cuDNN module, ``use_fp8``)
+  on Q, K, V quantized to float8_e4m3fn by XLA with one scale per tensor
+  (``amax / 448``), P scaled by 448 and the fp8 output by ``1 / s_v``:
+  the peer "cuDNN fp8 + XLA quantization".  Returns float32 ``[B, T, N,
+  H]``."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_attention
+  f32 = jnp.float32
+
+  def quantize(x):
+    s = jnp.max(jnp.abs(x.astype(f32))) / common.FP8_MAX
+    s = jnp.where(s > 0, s, 1.0)
+    return (x.astype(f32) / s).astype(jnp.float8_e4m3fn), s
+  (q8, sq), (k8, sk), (v8, sv) = quantize(q), quantize(k), quantize(v)
+  one = jnp.ones((1, 1, 1, 1), f32)
+  params = {name: one for name in cudnn_attention.fp8_params_keys}
+  params.update(descale_q=sq * one, descale_k=sk * one, descale_v=sv * one,
+                descale_s=one / common.FP8_MAX, scale_s=common.FP8_MAX * one,
+                scale_o=one / sv)
+  mask = (cudnn_attention.MaskType.CAUSAL if is_causal
+          else cudnn_attention.MaskType.NO_MASK)
+  out, _, _ = cudnn_attention.dot_product_attention(
+      q8, k8, v8, fp8_params=params, scale=1.0 / math.sqrt(q.shape[-1]),
+      mask_type=mask, use_fp8=True)
+  return out.astype(f32) * sv
+
+
+# Error against float32 attention, per end-to-end row, on inputs with the
+# structure of real models' keys (jaxattn.data.channel_outlier: a per-channel
+# bias shared by every token, a few outlier channels), at one batch and up to
+# ACCURACY_HEADS heads of each benchmarked shape.
+ACCURACY_HEADS = 8
+
+
+def accuracy_inputs(shape):
+  """``(float32 q, k, v, their float32 attention)`` for ``shape`` (B, H, S,
+  D): one batch, ``min(H, ACCURACY_HEADS)`` heads."""
+  _, h, s, d = shape
+  q, k, v = data.channel_outlier(jax.random.key(1),
+                                 (1, s, min(h, ACCURACY_HEADS), d),
+                                 jnp.float32)
+  return q, k, v
+
+
+def _torch_fn(job):
+  """A torch peer (float16 NHD tensors on the GPU) as a function of jax
+  arrays, for :func:`accuracy` (outside jit: the values go through the
+  host)."""
+  import numpy as np
+  import torch
+
+  def fn(q, k, v):
+    t = [torch.from_numpy(np.asarray(x, np.float32)).cuda().half()
+         for x in (q, k, v)]
+    return jnp.asarray(job(*t).float().cpu().numpy())
+  fn.eager = True
+  return fn
+
+
+def accuracy(fn, dtype, inputs, causal):
+  """``{"cos_sim", "rel_l2"}`` of ``fn`` on ``inputs`` (float32, rounded
+  to ``dtype``) against float32 attention of the float32 inputs."""
+  q, k, v = inputs
+  with jax.default_matmul_precision("highest"):
+    ref = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+        q, k, v, is_causal=causal, implementation="xla"))(q, k, v)
+  run = fn if getattr(fn, "eager", False) else jax.jit(fn)
+  out = run(*(x.astype(dtype) for x in inputs))
+  return dict(cos_sim=metrics.cosine_similarity(out, ref),
+              rel_l2=metrics.relative_rmse(out, ref))
 
 
 # The quantizers alone ("prep_" + the method's name): the kernels' BTNH
@@ -209,9 +282,11 @@ def method_jobs(causal, d, names):
              if wanted(n)])
 
 
-def bench_shape(shape, causal, names, iters, reps, log, progress=None):
-  """``{name: {ms, tflops, [temp_bytes], ratio_vs_cudnn_bf16} or {error}}``
-  of every selected method on one shape."""
+def bench_shape(shape, causal, names, iters, reps, log, progress=None,
+                with_accuracy=True):
+  """``{name: {ms, tflops, [temp_bytes], ratio_vs_cudnn_bf16, [cos_sim,
+  rel_l2]} or {error}}`` of every selected method on one shape (the error
+  against float32 of the end-to-end rows with ``with_accuracy``)."""
   b, h, s, d = shape
   flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
   key = jax.random.key(0)
@@ -220,6 +295,7 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None):
                for x in (kq, kk, kv)]
           for dt in (jnp.float16, jnp.bfloat16)}
   torch_inputs = None
+  acc_inputs = accuracy_inputs(shape) if with_accuracy else None
   rows = {}
   for name, kind, job in method_jobs(causal, d, names):
     try:
@@ -230,6 +306,12 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None):
         mem = f.lower(*base[dt]).compile().memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", None)
         rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
+        if with_accuracy:
+          try:
+            rows[name].update(accuracy(fn, dt, acc_inputs, causal))
+          except Exception as e:  # noqa: BLE001  (keep the timing)
+            rows[name]["accuracy_error"] = f"{type(e).__name__}: {e}"[:400]
+            log.write(traceback.format_exc())
       elif kind == "kernel":
         fn, args = job(*base[jnp.float16])
         t = time_call(fn, args, iters, reps)
@@ -243,6 +325,9 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None):
         ms = triton.testing.do_bench(lambda: job(*torch_inputs), warmup=50,
                                      rep=300, return_mode="median")
         rows[name] = dict(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+        if with_accuracy:
+          rows[name].update(accuracy(_torch_fn(job), jnp.float16, acc_inputs,
+                                     causal))
     except Exception as e:  # noqa: BLE001
       rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
       log.write(traceback.format_exc())
@@ -261,8 +346,11 @@ def format_rows(shape, causal, rows):
   lines = [f"# B,H,S,D={shape} causal={causal}"]
   for n, r in rows.items():
     if "ms" in r:
-      lines.append(f"  {n:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
-                   f"x{r.get('ratio_vs_cudnn_bf16', float('nan')):.3f}")
+      line = (f"  {n:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
+              f"x{r.get('ratio_vs_cudnn_bf16', float('nan')):.3f}")
+      if "rel_l2" in r:
+        line += f"  cos {r['cos_sim']:.6f} rel_l2 {r['rel_l2']:.2e}"
+      lines.append(line)
     else:
       lines.append(f"  {n:28s} ERROR {r['error'][:200]}")
   return "\n".join(lines)
@@ -287,7 +375,9 @@ def speed_series(docs):
 def plot(docs, out_dir):
   """Writes ``bench_d{D}_{causal,noncausal}.png`` into ``out_dir`` from bench
   JSON documents: TFLOP/s and ratio to cuDNN bf16 against the sequence
-  length, one line per method; returns the paths."""
+  length, one line per method; and the speed-against-accuracy charts of
+  :func:`plot_speed_accuracy` where the rows have an error against float32.
+  Returns the paths."""
   import matplotlib
   os.makedirs(out_dir, exist_ok=True)
   devices = sorted({doc.get("meta", {}).get("device", "?") for doc in docs})
@@ -331,6 +421,84 @@ def plot(docs, out_dir):
         out_dir, f"bench_d{d}_{'causal' if causal else 'noncausal'}.png")
     fig.savefig(path, dpi=100)
     paths.append(path)
+  return paths + plot_speed_accuracy(docs, out_dir)
+
+
+def _label(name):
+  """A row name as a point label: ``jaxattn_sage2-8b_mosaic`` ->
+  ``sage2-8b (mosaic)``."""
+  label = name.removeprefix("jaxattn_")
+  if label.endswith("_mosaic"):
+    return label.removesuffix("_mosaic") + " (mosaic)"
+  return label + (" (triton)" if name.startswith("jaxattn_") else "")
+
+
+def _place_labels(fig, ax, points, fontsize=7):
+  """Labels ``(text, x, y)`` beside their points, each at the first of a
+  few offsets whose box (estimated from the text length) overlaps no label
+  placed before it."""
+  fig.canvas.draw()
+  to_px = ax.transData.transform
+  char_w, line_h = 0.62 * fontsize, 1.3 * fontsize   # in points ~ pixels/dpi
+  scale = fig.dpi / 72.0
+  boxes = []
+  offsets = [(4, 3), (4, -10), (-4, 3), (-4, -10), (4, 12), (4, -19)]
+  for text, x, y in sorted(points, key=lambda p: (p[1], p[2])):
+    px, py = to_px((x, y))
+    w, h = len(text) * char_w * scale, line_h * scale
+    for dx, dy in offsets:
+      x0 = px + dx * scale - (w if dx < 0 else 0)
+      y0 = py + dy * scale
+      box = (x0, y0, x0 + w, y0 + h)
+      if not any(box[0] < b[2] and b[0] < box[2] and box[1] < b[3]
+                 and b[1] < box[3] for b in boxes):
+        break
+    boxes.append(box)
+    ax.annotate(text, (x, y), textcoords="offset points", xytext=(dx, dy),
+                ha="right" if dx < 0 else "left", fontsize=fontsize)
+
+
+def plot_speed_accuracy(docs, out_dir):
+  """Writes ``speed_accuracy_{B}x{H}x{S}x{D}_{causal,noncausal}.png`` for
+  every result of ``docs`` whose rows carry an error against float32: one
+  point per end-to-end row, x its ratio to cuDNN bf16, y its relative L2
+  error (log scale); cuDNN's rows in black.  Returns the paths."""
+  os.makedirs(out_dir, exist_ok=True)
+  paths = []
+  for doc in docs:
+    device = doc.get("meta", {}).get("device", "?")
+    for res in doc["results"]:
+      pts = {n: r for n, r in res["rows"].items()
+             if "rel_l2" in r and "ratio_vs_cudnn_bf16" in r
+             and r["rel_l2"] > 0}
+      if not pts:
+        continue
+      fig, (ax,) = new_figure(1, width=7.5, height=5.5)
+      for name, r in pts.items():
+        peer = not name.startswith("jaxattn_")
+        style = (dict(color="black", marker="s") if peer else
+                 dict(color="tab:blue" if name.endswith("_mosaic")
+                      else "tab:orange", marker="o"))
+        ax.scatter(r["ratio_vs_cudnn_bf16"], r["rel_l2"], s=36, **style)
+      ax.set_yscale("log")
+      _place_labels(fig, ax, [(_label(n), r["ratio_vs_cudnn_bf16"],
+                               r["rel_l2"]) for n, r in pts.items()])
+      ax.axvline(1.0, color="grey", linewidth=0.8, linestyle=":")
+      for colour, marker, text in (("tab:blue", "o", "jaxattn, Mosaic"),
+                                   ("tab:orange", "o", "jaxattn, Triton"),
+                                   ("black", "s", "peers")):
+        ax.scatter([], [], color=colour, marker=marker, label=text)
+      ax.legend(loc="upper left", fontsize=8)
+      ax.set_xlabel("speed / cuDNN bf16 (same run, end to end)")
+      ax.set_ylabel("relative L2 error vs float32 (channel-outlier keys)")
+      ax.grid(True, alpha=0.3)
+      b, h, s, d = res["shape"]
+      kind = "causal" if res["causal"] else "non-causal"
+      ax.set_title(f"{b}x{h}x{s}x{d} {kind}: {device}", fontsize=9)
+      path = os.path.join(out_dir, f"speed_accuracy_{b}x{h}x{s}x{d}_"
+                          f"{'causal' if res['causal'] else 'noncausal'}.png")
+      fig.savefig(path, dpi=110)
+      paths.append(path)
   return paths
 
 
@@ -354,6 +522,8 @@ def main(argv=None, prog="python -m jaxattn bench"):
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--out", default="")
   p.add_argument("--log", default=os.devnull)
+  p.add_argument("--no-accuracy", action="store_true",
+                 help="skip the error against float32 of the end-to-end rows")
   p.add_argument("--plot", default="", metavar="DIR",
                  help="write PNG plots here (needs matplotlib)")
   p.add_argument("--from-json", nargs="+", default=[], metavar="FILE",
@@ -394,7 +564,7 @@ def main(argv=None, prog="python -m jaxattn bench"):
     for shape in shapes:
       for causal in causals:
         rows = bench_shape(shape, causal, names, a.iters, a.reps, log,
-                           progress)
+                           progress, with_accuracy=not a.no_accuracy)
         results.append(dict(shape=shape, causal=causal, rows=rows))
         progress.write(format_rows(shape, causal, rows))
   progress.close()

@@ -229,3 +229,55 @@ def test_progress_builtin_bar_on_terminal(monkeypatch):
   assert text.count("\r\033[K") == 4  # 2 draws, the clear before "line", redraw
   assert "######......" in text and "[2/4]" in text and text.endswith("\n")
   assert printed.getvalue() == "line\n"
+
+
+def test_bench_speed_accuracy_chart(tmp_path):
+  """One point per end-to-end row that has an error against float32: cuDNN
+  in black, the Mosaic rows in blue, the Triton rows in orange."""
+  import matplotlib
+  rows = {"cudnn_bf16": dict(ms=3.7, ratio_vs_cudnn_bf16=1.0, rel_l2=1.1e-2),
+          "cudnn_fp8": dict(ms=2.7, ratio_vs_cudnn_bf16=1.34, rel_l2=6e-2),
+          "jaxattn_fp8_mosaic": dict(ms=3.5, ratio_vs_cudnn_bf16=1.05,
+                                     rel_l2=1.5e-1),
+          "jaxattn_sage1": dict(ms=4.7, ratio_vs_cudnn_bf16=0.78,
+                                rel_l2=1.3e-2),
+          "kernel_fp8_mosaic": dict(ms=3.0, ratio_vs_cudnn_bf16=1.23),
+          "jaxattn_pasa": dict(error="ValueError: no")}
+  doc = dict(meta=dict(device="H100"),
+             results=[dict(shape=[2, 32, 8192, 128], causal=False, rows=rows),
+                      dict(shape=[2, 32, 8192, 128], causal=True,
+                           rows={"cudnn_bf16": dict(ms=2.0)})])
+  paths = bench.plot_speed_accuracy([doc], str(tmp_path))
+  assert paths == [str(tmp_path / "speed_accuracy_2x32x8192x128_noncausal.png")]
+  rgb = _pixels(paths[0])
+  for colour in ("black", "tab:blue", "tab:orange"):
+    want = tuple(round(255 * x) for x in matplotlib.colors.to_rgb(colour))
+    assert _has_colour(rgb, want), colour
+  assert bench._label("jaxattn_sage2-8b_mosaic") == "sage2-8b (mosaic)"
+  assert bench._label("jaxattn_sage1") == "sage1 (triton)"
+  assert bench._label("cudnn_fp8") == "cudnn_fp8"
+
+
+def test_bench_accuracy_against_float32():
+  """The benchmark's error column: float32 attention of the float32
+  channel-outlier inputs against itself is exact to rounding; sage1 on the
+  float16 inputs is as accurate as measured elsewhere; the cuDNN fp8 peer
+  is one of the benchmarked rows."""
+  import jax.numpy as jnp
+
+  import jaxattn
+  inputs = bench.accuracy_inputs((2, 3, 64, 32))
+  assert [x.shape for x in inputs] == [(1, 64, 3, 32)] * 3
+  fp32 = bench.accuracy(lambda q, k, v: jaxattn.dot_product_attention(
+      q, k, v, is_causal=True, implementation="reference"), jnp.float32,
+      inputs, True)
+  assert fp32["cos_sim"] > 1 - 1e-9 and fp32["rel_l2"] < 1e-5, fp32
+  sage = bench.accuracy(lambda q, k, v: jaxattn.dot_product_attention(
+      q, k, v, method="sage", preset="sage1", is_causal=True,
+      implementation="reference"), jnp.float16, inputs, True)
+  assert 0.999 < sage["cos_sim"] < 1 and 1e-4 < sage["rel_l2"] < 5e-2, sage
+  assert "cudnn_fp8" in bench.jax_methods(False, 128)
+  line = bench.format_rows((1, 1, 64, 32), False, {"x": dict(
+      ms=1.0, tflops=2.0, ratio_vs_cudnn_bf16=1.0, cos_sim=0.9999,
+      rel_l2=1.2e-2)})
+  assert line.endswith("x1.000  cos 0.999900 rel_l2 1.20e-02")
