@@ -3,6 +3,7 @@ method, shaped like ``jax.nn.dot_product_attention``."""
 from __future__ import annotations
 
 import functools
+import logging
 import warnings
 from typing import Any
 
@@ -20,6 +21,15 @@ BACKENDS = {"mosaic": mosaic, "triton": triton, "reference": reference}
 PREFERENCE = ("mosaic", "triton", "reference")
 RENAMED = {"pallas": "triton"}  # deprecated implementation names
 IMPLEMENTATIONS = (None, *BACKENDS, *RENAMED)
+logger = logging.getLogger("jaxattn")
+
+
+@functools.lru_cache(maxsize=256)
+def _log_fallback(method: str, backend: str, reason: str) -> None:
+  """Says once per (method, backend, reason) why ``implementation=None``
+  passed over a backend that runs natively here."""
+  logger.info("jaxattn: method %r does not run on %s here: %s", method,
+              backend, reason)
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
 
 
@@ -114,7 +124,9 @@ def select_backend(implementation: str | None, call: Call) -> str:
   natively here (Mosaic on Hopper, Triton on any GPU, the reference
   everywhere), has an adapter for the method and accepts the call.  A name
   is taken as asked: NotImplementedError with the reason when its backend
-  has no kernel for the method or cannot honour the call.  "pallas" is the
+  has no kernel for the method or cannot honour the call.  When None passes
+  over a native backend, the ``"jaxattn"`` logger says why (INFO, once per
+  reason).  "pallas" is the
   deprecated name of "triton".
   """
   implementation = implementation_name(implementation)
@@ -126,7 +138,8 @@ def select_backend(implementation: str | None, call: Call) -> str:
         continue
       try:
         adapter.check(call)
-      except NotImplementedError:
+      except NotImplementedError as e:
+        _log_fallback(call.method, BACKENDS[name].TITLE, str(e))
         continue
       return name
     raise AssertionError(f"no backend accepts {call}")  # the reference does

@@ -73,7 +73,9 @@ from pallas_kernels.quantizers import key_order
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 QK_TYPES = ("fp16", "int8", "fp8")
 PV_TYPES = ("fp16", "fp8", "int8")
-HEAD_DIMS = (64, 128)  # 256 would not fit the shared-memory ring
+# The head dims of the kernel's tiles; smaller ones are zero-padded to the
+# next (256 would not fit the shared-memory ring).
+HEAD_DIMS = (64, 128)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -530,11 +532,17 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       (the quantizer wrote them so); otherwise they are permuted here when P
       comes from registers.
   Returns: ``[B, T, N, D]`` in ``out_dtype``.
+
+  A head dim below 64, or between 64 and 128, is zero-padded to the next
+  of :data:`HEAD_DIMS`: zero channels add nothing to ``Q K^T`` and give
+  output channels that are dropped, so the result is unchanged.
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
-  if d not in HEAD_DIMS:
-    raise ValueError(f"the Mosaic kernel takes head dims {HEAD_DIMS}, got {d}")
+  if d > HEAD_DIMS[-1]:
+    raise ValueError(f"the Mosaic kernel takes head dims up to "
+                     f"{HEAD_DIMS[-1]}, got {d}")
+  d_tile = next(x for x in HEAD_DIMS if x >= d)
   if qk not in QK_TYPES or pv not in PV_TYPES:
     raise ValueError(f"qk must be one of {QK_TYPES} and pv one of "
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
@@ -543,7 +551,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   t_pad = common.round_up(t, 2 * bq)
   s_pad = common.round_up(s_len, bk)
   pad = common.pad_axis
-  q, k = pad(q, 1, t_pad), pad(k, 1, s_pad)
+  q, k = pad(pad(q, 1, t_pad), 3, d_tile), pad(pad(k, 1, s_pad), 3, d_tile)
   interp = interpret()
   # P feeds the PV wgmma from registers on the GPU (8-bit P with V's keys
   # permuted, see _as_8bit_operand); in the interpreter it goes through
@@ -553,9 +561,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     raise ValueError("V's keys are in the register-operand order, but P "
                      "goes through shared memory (or is 16-bit)")
   if pv == "fp16":
-    v = pad(v, 1, s_pad)
+    v = pad(pad(v, 1, s_pad), 3, d_tile)
   else:
-    v = pad(v, 3, s_pad)
+    v = pad(pad(v, 3, s_pad), 2, d_tile)
     v = v if p_in_smem or v_keys_ordered else permute_keys(v, axis=3)
   args = [q, k, v, kv_lens.astype(jnp.int32)]
   has_qk_scales = qk != "fp16"
@@ -572,7 +580,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     args.append(pad(v_block_scale.astype(jnp.float32), 2, s_pad // bk))
   has_epilogue = out_scale is not None
   if has_epilogue:
-    args += [out_scale.astype(jnp.float32), out_shift.astype(jnp.float32)]
+    args += [pad(x.astype(jnp.float32), 2, d_tile)
+             for x in (out_scale, out_shift)]
   pasa = pasa_inva is not None
   if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
                    == jnp.float16):
@@ -589,12 +598,12 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       out_dtype=out_dtype)
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((b, t_pad, n, d), out_dtype),
+      out_type=jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype),
       grid=(n, t_pad // (2 * bq), b),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,
   )(*args)
-  return out[:, :t]
+  return out[:, :t, :, :d]
 

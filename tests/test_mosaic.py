@@ -90,6 +90,28 @@ def test_mosaic_pasa_matches_triton_and_reference(case):
   assert _rel(out, ref) < 5e-3, _rel(out, ref)
 
 
+@pytest.mark.parametrize("method,opts,d", [
+    ("fp32", {}, 96), ("sage", {}, 96), ("fp8", {}, 80), ("int8", {}, 40),
+    ("pasa", {}, 96)], ids=str)
+def test_mosaic_pads_head_dims_to_its_tiles(method, opts, d):
+  """Head dims other than 64 and 128 (up to 128) run zero-padded to the
+  next tile: the same result as the reference at that head dim."""
+  kq, kk, kv = jax.random.split(jax.random.key(d), 3)
+  q = jax.random.normal(kq, (1, 150, 2, d), jnp.float16)
+  k = jax.random.normal(kk, (1, 200, 1, d), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (1, 200, 1, d), jnp.float16)
+  kw = dict(method=method, is_causal=True, key_value_seq_lengths=[170],
+            **opts)
+  assert api.resolve_implementation(q, k, v, implementation="mosaic",
+                                    **kw) == "mosaic"
+  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
+                                      **kw)
+  assert out.shape == ref.shape == (1, 150, 2, d)
+  tol = {"pasa": 5e-3, "fp32": TOL}.get(method, TOL_8BIT_P)
+  assert _rel(out, ref) < tol, _rel(out, ref)
+
+
 def test_mosaic_causal_fp32_bfloat16_whole_blocks():
   """bfloat16, causal, lengths that are whole blocks (no padding)."""
   kq, kk, kv = jax.random.split(jax.random.key(3), 3)
@@ -129,8 +151,8 @@ def test_mosaic_rows_without_keys_are_zero():
 
 
 def test_mosaic_refuses_what_it_cannot_run():
-  q = k = v = jnp.ones((1, 64, 1, 96), jnp.float16)
-  with pytest.raises(NotImplementedError, match="head dim 96"):
+  q = k = v = jnp.ones((1, 64, 1, 256), jnp.float16)
+  with pytest.raises(NotImplementedError, match="head dim 256"):
     jaxattn.dot_product_attention(q, k, v, implementation="mosaic")
   q = k = v = jnp.ones((1, 64, 1, 64), jnp.float16)
   with pytest.raises(NotImplementedError, match="bias or mask"):
@@ -171,3 +193,15 @@ def test_mosaic_refuses_options_it_cannot_honour():
     with pytest.raises(NotImplementedError, match=reason):
       jaxattn.dot_product_attention(q, k, v, method=method,
                                     implementation="mosaic", **opts)
+
+
+def test_automatic_choice_logs_why_it_passes_over_a_backend(monkeypatch,
+                                                           caplog):
+  """With implementation=None, a native backend that refuses the call is
+  passed over with its reason on the "jaxattn" logger."""
+  monkeypatch.setattr(api.BACKENDS["mosaic"], "native", lambda: True)
+  q = jnp.ones((1, 8, 1, 256), jnp.float16)
+  with caplog.at_level("INFO", logger="jaxattn"):
+    assert api.resolve_implementation(q, q, q) == "reference"
+  assert "does not run on Mosaic GPU here" in caplog.text
+  assert "head dim 256" in caplog.text

@@ -12,8 +12,8 @@ method     kernel flags            operands
 "fp8"      ``qk = pv = "fp8"``     same
 =========  ======================  ========================================
 
-The kernel takes head dims 64 and 128, no bias or mask, and keys in blocks
-of 64 or 128; its tiles are fixed, so it refuses the Triton kernels' knobs
+The kernel takes head dims up to 128 (others than 64 and 128 zero-padded
+to the next), no bias or mask, and keys in blocks of 64 or 128; its tiles are fixed, so it refuses the Triton kernels' knobs
 (``tile_q``, ``num_warps``, ``num_stages``) rather than ignoring them.
 """
 from __future__ import annotations
@@ -42,10 +42,10 @@ def _check_common(call: Call) -> None:
     raise NotImplementedError(
         "the Mosaic kernel does not take a bias or mask (use "
         "implementation='triton')")
-  if d not in mosaic.HEAD_DIMS:
+  if d > mosaic.HEAD_DIMS[-1]:
     raise NotImplementedError(
-        f"the Mosaic kernel does not take head dim {d} (it takes "
-        f"{' and '.join(map(str, mosaic.HEAD_DIMS))})")
+        f"the Mosaic kernel does not take head dim {d} (it takes up to "
+        f"{mosaic.HEAD_DIMS[-1]}; 256 would not fit its shared-memory ring)")
   refuse_options(call.config, TRITON_KNOBS,
                  "Triton kernel knobs; the Mosaic kernel's tiles are fixed "
                  "(use implementation='triton')")
