@@ -53,6 +53,9 @@ class QuantizedOperands:
       int8 V block (``pv="uint8"``), or None.
     out_scale, out_shift: float32 ``[B, K, D]``, the epilogue ``O / l *
       out_scale + out_shift``, or None.
+    score_bound: float32 scalar, at least ``max |S|`` of the base-2 scores
+      ``S q_scale k_scale (+ q_block_bias)``, from the scales (None: not
+      known).
     qk: "int8", "int4" or "fp8"; pv: "int8", "fp8", "fp16" or "uint8".
     bias_rows: query rows per ``q_block_bias`` row.
     v_keys_ordered: V's keys are in the register-operand order.
@@ -67,6 +70,7 @@ class QuantizedOperands:
   v_colsum: jax.Array | None = None
   out_scale: jax.Array | None = None
   out_shift: jax.Array | None = None
+  score_bound: jax.Array | None = None
   qk: str = dataclasses.field(default="int8", metadata=dict(static=True))
   pv: str = dataclasses.field(default="int8", metadata=dict(static=True))
   bias_rows: int | None = dataclasses.field(default=None,
@@ -326,10 +330,15 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
       k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
       shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,
       block=max(128, k_group))
+  bias_bound = None
   if bias is not None:                              # [B, N, nqb, S]
     bias = bias.reshape(b, n, -1, s)
+    # |q_m K_s^T| <= |q_m|_1 max |K_s| = |q_m|_1 qmax max(k_scale), from
+    # the small arrays instead of a read of the bias
+    bias_bound = (jnp.abs(bias_q).sum(axis=-1).max() * quant.qmax(bits)
+                  * jnp.abs(k_scale).max())
   return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
-              q_block_bias=bias)
+              q_block_bias=bias, bias_bound=bias_bound)
 
 
 def sage_v_stats(v, kv_lens, config) -> dict:
@@ -355,6 +364,14 @@ def sage_v_stats(v, kv_lens, config) -> dict:
   amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
   return dict(v_mean=mean,
               v_scale=sage.rounded(amax * sage.RCP_FP8_MAX))
+
+
+def _score_bound(q_scale, k_scale, qmax, d, bias_bound=None):
+  """``max |S|`` bound of ``(Q8 K8^T) q_scale k_scale (+ bias)`` with
+  ``|Q8|, |K8| <= qmax``: ``qmax^2 D max q_scale max k_scale``."""
+  amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
+  bound = amax(q_scale) * amax(k_scale) * (float(qmax) ** 2 * d)
+  return bound if bias_bound is None else bound + bias_bound
 
 
 def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
@@ -409,8 +426,12 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     q8, k8, qk = z["q"], z["k"], "int8"
     if config.qk_dtype == "int4" and pack_int4:
       q8, k8, qk = _pack_int4(q8), _pack_int4(k8), "int4"
+    bias_bound = (jnp.abs(q_block_bias).max() if fused is None
+                  else fused["bias_bound"]) if config.smooth_q else None
     return QuantizedOperands(
         q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
+        score_bound=_score_bound(z["q_scale_folded"], z["k_scale"],
+                                 quant.qmax(config.bits), d, bias_bound),
         v=(v8(jnp.float8_e4m3fn, shift=z["v_mean"],
               inv_channel=quant.reciprocal(z["v_scale"]))
            if fp8_pv else z["v"]),
@@ -426,9 +447,10 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     if fused is not None:
       z.update(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
                k_scale=fused["k_scale"])
-    qk_ops = dict(q=z["q"], q_scale=z["q_scale"] * (scale * base.LOG2E),
-                  k=z["k"], k_scale=z["k_scale"], qk="int8",
-                  pv=config.pv_dtype)
+    q_scale = z["q_scale"] * (scale * base.LOG2E)
+    qk_ops = dict(q=z["q"], q_scale=q_scale, k=z["k"], k_scale=z["k_scale"],
+                  score_bound=_score_bound(q_scale, z["k_scale"], 127, d),
+                  qk="int8", pv=config.pv_dtype)
     if config.pv_dtype == "fp16":
       return QuantizedOperands(v=z["v"], **qk_ops)
     if config.v_granularity == "block":
@@ -463,9 +485,11 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
       v_block_scale = None
       out_scale = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
+    q_scale = q_scale * (scale * base.LOG2E)
     return QuantizedOperands(
-        q=z["q"], q_scale=q_scale * (scale * base.LOG2E), k=z["k"],
-        k_scale=k_scale, v=v_op, v_block_scale=v_block_scale,
+        q=z["q"], q_scale=q_scale, k=z["k"], k_scale=k_scale, v=v_op,
+        v_block_scale=v_block_scale,
+        score_bound=_score_bound(q_scale, k_scale, quant.FP8_MAX, d),
         out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),
         qk="fp8", pv="fp8", v_keys_ordered=v_key_order)
   raise ValueError(f"no quantized operands for method {method!r}")

@@ -76,6 +76,11 @@ PV_TYPES = ("fp16", "fp8", "int8")
 # The head dims of the kernel's tiles; smaller ones are zero-padded to the
 # next (256 would not fit the shared-memory ring).
 HEAD_DIMS = (64, 128)
+# The fused exponent exp2(s * c - m) (one FMA per score) is off by up to half
+# an ulp of the row max m, which grows with m: beyond this |m| (base 2) the
+# error passes float16 P's precision, and at ~1e9 it overflows or zeroes P.
+# Callers whose scores may exceed it take exact_exponent=True.
+FUSED_EXPONENT_LIMIT = 2.0 ** 12
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,7 +195,7 @@ def _pasa_update(state, rows, pv_blk, *, inva):
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             block_q, block_k, stages, group, c_scale, pasa, has_qk_scales,
             has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
-            out_dtype):
+            out_dtype, exact_exponent):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
@@ -311,15 +316,31 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
-        m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-        alpha = jnp.exp2(m_i - m_new)
-        # fp8: P * 448 = exp2(s - (m - log2 448)) (l then counts 1/448ths)
-        m_exp = m_new - LOG2_FP8_MAX if pv == "fp8" else m_new
-        if not isinstance(c, float):   # a row of factors
-          s = s * lax.broadcast_in_dim(c, s.shape, [0])
-        elif c != 1.0:
-          s = s * c
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+        if exact_exponent:
+          # The running max in the units of s: s - m is exact for the
+          # scores near the max (Sterbenz), so a tie gets exactly P = 1
+          # however large the scores are, and the factor c comes after.
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          e = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+          if not isinstance(c, float):   # a row of factors
+            alpha = jnp.exp2((m_i - m_new) * c)
+            e = e * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            alpha = jnp.exp2((m_i - m_new) * c)
+            e = e * c
+          else:
+            alpha = jnp.exp2(m_i - m_new)
+          p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
+        else:
+          m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+          alpha = jnp.exp2(m_i - m_new)
+          # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
+          m_exp = m_new - LOG2_FP8_MAX if pv == "fp8" else m_new
+          if not isinstance(c, float):   # a row of factors
+            s = s * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            s = s * c
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
         elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
@@ -508,7 +529,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
                      out_shift=None, pasa_inva=None, v_keys_ordered=False,
-                     out_dtype=jnp.float16):
+                     out_dtype=jnp.float16, exact_exponent=False):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -527,6 +548,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       scaled float16 keys (PASA's per-block shift, done by the caller) and
       the softmax runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``,
       float16 only).
+    exact_exponent: the exponent as ``(s - m) * c`` (exact for the scores
+      near the row max however large they are; one more instruction per
+      score) instead of the fused ``s * c - m``; needed where
+      ``|s * c|`` may exceed :data:`FUSED_EXPONENT_LIMIT`.
     v_keys_ordered: the 8-bit V's keys are already in
       :func:`pallas_kernels.quantizers.key_order`
       (the quantizer wrote them so); otherwise they are permuted here when P
@@ -595,7 +620,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       has_vbs=v_block_scale is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,
       fused_pv=pv == "fp16" and not p_in_smem and not pasa,
-      out_dtype=out_dtype)
+      out_dtype=out_dtype, exact_exponent=exact_exponent)
   out = plgpu.kernel(
       kernel,
       out_type=jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype),

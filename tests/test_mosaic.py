@@ -205,3 +205,19 @@ def test_automatic_choice_logs_why_it_passes_over_a_backend(monkeypatch,
     assert api.resolve_implementation(q, q, q) == "reference"
   assert "does not run on Mosaic GPU here" in caplog.text
   assert "head dim 256" in caplog.text
+
+
+def test_huge_scores_take_the_exact_exponent():
+  """Scores beyond the fused exponent's range (q = k = 6e4: |s| ~ 6e10 in
+  base 2) run the exact exponent: a finite output, where the fused one
+  gave NaN on every row; ordinary scores keep the fused (faster) one."""
+  from jaxattn.backends import mosaic as mosaic_backend
+  pick = lambda bound: int(mosaic_backend._exact_when_needed(
+      lambda exact_exponent: jnp.int32(exact_exponent), jnp.float32(bound)))
+  assert (pick(10.0), pick(4096.0), pick(5e3), pick(jnp.inf)) == (0, 0, 1, 1)
+  q = jnp.full((1, 128, 1, 128), 6e4, jnp.float16)
+  v = jax.random.normal(jax.random.key(0), (1, 128, 1, 128), jnp.float16)
+  out = jaxattn.dot_product_attention(q, q, v, implementation="mosaic")
+  assert bool(jnp.isfinite(out).all())
+  ref = jaxattn.dot_product_attention(q, q, v, implementation="reference")
+  assert bool(jnp.isfinite(ref).all())

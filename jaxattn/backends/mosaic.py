@@ -21,8 +21,9 @@ from __future__ import annotations
 import functools
 
 import jax.numpy as jnp
+from jax import lax
 
-from jaxattn import operands, pasa
+from jaxattn import base, operands, pasa
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -93,12 +94,26 @@ def _out_dtype(dtype):
   return jnp.bfloat16 if jnp.dtype(dtype) == jnp.bfloat16 else jnp.float16
 
 
+def _exact_when_needed(kernel, score_bound):
+  """``kernel(exact_exponent=...)`` with the fused exponent where every
+  score is within :data:`pallas_kernels.mosaic.FUSED_EXPONENT_LIMIT` (a
+  bound on ``|s * c|`` in base 2, from the inputs' amax or the quantized
+  operands' scales), else the exact one: huge scores never overflow P, and
+  ordinary ones keep the faster kernel."""
+  return lax.cond(score_bound <= mosaic.FUSED_EXPONENT_LIMIT,
+                  functools.partial(kernel, exact_exponent=False),
+                  functools.partial(kernel, exact_exponent=True))
+
+
 def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
-  return mosaic.mosaic_attention(q, k, v.astype(q.dtype), kv_lens, qk="fp16",
-                                 pv="fp16", is_causal=is_causal, scale=scale,
-                                 params=params, out_dtype=q.dtype)
+  amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
+  bound = amax(q) * amax(k) * (q.shape[-1] * abs(scale) * base.LOG2E)
+  return _exact_when_needed(functools.partial(
+      mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
+      pv="fp16", is_causal=is_causal, scale=scale, params=params,
+      out_dtype=q.dtype), bound)
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
@@ -128,14 +143,15 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
   online softmax rounds P against each block's running max; scale
   groups)."""
   del bias, mask
-  return mosaic.mosaic_attention(
+  return _exact_when_needed(functools.partial(
+      mosaic.mosaic_attention,
       ops.q, ops.k, ops.v, kv_lens, qk=ops.qk, pv=ops.pv, is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k),
       q_scale=ops.q_scale, k_scale=ops.k_scale, q_block_bias=ops.q_block_bias,
       bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
       out_scale=ops.out_scale, out_shift=ops.out_shift,
       v_keys_ordered=ops.v_keys_ordered,
-      out_dtype=_out_dtype(out_dtype))
+      out_dtype=_out_dtype(out_dtype)), ops.score_bound)
 
 
 ADAPTERS = {
