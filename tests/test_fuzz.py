@@ -16,11 +16,9 @@ to 1e4.  Each example checks:
 import os
 
 import numpy as np
-import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-import jax
 import jax.numpy as jnp
 
 import jaxattn
