@@ -360,3 +360,26 @@ def test_every_method_at_the_extreme_head_dims(head_dim):
     out = jaxattn.dot_product_attention(q, k, v, method=method, is_causal=True,
                                         implementation="triton")
     assert metrics.relative_rmse(out, ref) < 2 * ACCURACY[method][1], method
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton", "mosaic"])
+def test_pasa_bound_and_what_lies_beyond(implementation):
+  """PASA is overflow-free while every score minus beta times its key
+  block's mean score fits float16 (the README's bound).  Q = K = c (all
+  scores equal, s = c^2 D / sqrt(D)): the shifted score is (1 - beta) s,
+  finite at c = 300 (1.6e4) and equal to the mean of V as float32
+  attention; past the bound, at c = 1000 (1.8e5), every row is NaN (never
+  a finite wrong number), like fp16_fp32's overflow."""
+  v = jax.random.normal(jax.random.key(0), (1, 256, 1, 128), jnp.float16)
+  beta = pasa.PasaConfig().resolved_beta
+  for c, finite in ((300.0, True), (1000.0, False)):
+    q = jnp.full((1, 256, 1, 128), c, jnp.float16)
+    assert ((1 - beta) * c * c * 128 ** 0.5 < 65504) == finite
+    out = np.asarray(jaxattn.dot_product_attention(
+        q, q, v, method="pasa", implementation=implementation), np.float32)
+    if finite:
+      np.testing.assert_allclose(out, np.broadcast_to(
+          np.asarray(v, np.float32).mean(axis=1, keepdims=True), out.shape),
+          atol=2e-3)
+    else:
+      assert np.isnan(out).all()
