@@ -21,16 +21,8 @@ BACKENDS = {"mosaic": mosaic, "triton": triton, "reference": reference}
 PREFERENCE = ("mosaic", "triton", "reference")
 RENAMED = {"pallas": "triton"}  # deprecated implementation names
 IMPLEMENTATIONS = (None, *BACKENDS, *RENAMED)
-logger = logging.getLogger("jaxattn")
-
-
-@functools.lru_cache(maxsize=256)
-def _log_fallback(method: str, backend: str, reason: str) -> None:
-  """Says once per (method, backend, reason) why ``implementation=None``
-  passed over a backend that runs natively here."""
-  logger.info("jaxattn: method %r does not run on %s here: %s", method,
-              backend, reason)
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+logger = logging.getLogger("jaxattn")
 
 
 def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
@@ -117,6 +109,14 @@ def implementation_name(implementation: str | None) -> str | None:
   return implementation
 
 
+@functools.lru_cache(maxsize=256)
+def _log_fallback(method: str, backend: str, reason: str) -> None:
+  """Says once per (method, backend, reason) why ``implementation=None``
+  passed over a backend that runs natively here."""
+  logger.info("jaxattn: method %r does not run on %s here: %s", method,
+              backend, reason)
+
+
 def select_backend(implementation: str | None, call: Call) -> str:
   """The name of the backend that runs ``call``.
 
@@ -126,8 +126,7 @@ def select_backend(implementation: str | None, call: Call) -> str:
   is taken as asked: NotImplementedError with the reason when its backend
   has no kernel for the method or cannot honour the call.  When None passes
   over a native backend, the ``"jaxattn"`` logger says why (INFO, once per
-  reason).  "pallas" is the
-  deprecated name of "triton".
+  reason).  "pallas" is the deprecated name of "triton".
   """
   implementation = implementation_name(implementation)
   if implementation is None:
