@@ -1,8 +1,19 @@
 """Shared pytest setup: tests marked ``gpu`` are skipped unless jax sees a
 GPU (markers are declared in pyproject.toml)."""
 import functools
+import os
 
-import pytest
+# Mosaic GPU's interpreter runs each simulated warpgroup as a jax computation
+# on its own Python thread; the warpgroups meet at barriers inside
+# io_callbacks, which XLA runs on its CPU worker pool (one thread per core
+# unless PJRT_NPROC says otherwise).  On a 2-core machine the kernel's own
+# callback and one warpgroup's barrier wait filled that pool, and the other
+# warpgroups' callbacks never ran: the test hung (py-spy showed it).  A pool
+# wider than the callbacks that can wait at once (the kernel's, 3
+# warpgroups') removes the deadlock.  Read when jax creates its CPU client.
+os.environ.setdefault("PJRT_NPROC", "16")
+
+import pytest  # noqa: E402
 
 
 @functools.cache
