@@ -54,6 +54,8 @@ JAXATTN_VARIANTS = [
     ("jaxattn_fp16_fp32", "fp16_fp32", {}),
     ("jaxattn_fp16", "fp16", {}),
     ("jaxattn_pasa", "pasa", {}),
+    ("jaxattn_pasa_algorithm1", "pasa", {"state_dtype": "float16",
+                                         "key_rounding": "nearest"}),
     ("jaxattn_sage2-8b", "sage", {"preset": "sage2-8b"}),
     ("jaxattn_sage2-4b", "sage", {"preset": "sage2-4b"}),
     ("jaxattn_sage1", "sage", {"preset": "sage1"}),

@@ -18,6 +18,24 @@ scale ``1/alpha``.  Then for each key block, all in the compute dtype:
 and finally ``O / l``.  ``beta / (1 - beta)`` is the constant ``fl(beta/(1-beta))``
 (63.5 exactly for the paper's beta = 0.984497).
 
+Precision allocation.  The recovery multiplies every error in ``Sbar'`` by
+``beta / (1 - beta)`` (63.5), and ``Sbar'`` is the mean of ``S'`` over a
+block, so two errors that are tiny elsewhere move whole blocks' weights:
+(a) ``Sbar'`` and ``F`` rounded to float16 (half an ulp of values in the
+hundreds) and (b) the rounding of the shifted keys ``K'``, whose column sums
+no longer equal ``(1 - beta)`` times the keys' (a random walk of 128
+roundings).  :class:`PasaConfig` therefore offers, besides the literal
+Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
+
+* ``state_dtype="float32"``: ``m, l, Sbar', F``, the corrections and the
+  accumulator ``O`` in float32 (``S'`` and ``P`` stay float16, so what can
+  overflow in Algorithm 1 is unchanged; float32 state cannot overflow);
+* ``key_rounding="sum_preserving"``: ``K' = scale (M^T K)`` computed in
+  float32 and rounded so that each key block's column sums stay within
+  about half an ulp (:func:`_sum_preserving_round`).
+
+The default uses both; ``docs/design.md`` has the sweeps behind it.
+
 Decisions beyond the paper (documented in the README):
 
 * A row for which a key block holds no visible key (causal blocks above the
@@ -31,12 +49,14 @@ Decisions beyond the paper (documented in the README):
   per-row constant, so this stays exact).
 * Rounding points, chosen to be what a GPU kernel computes for free: ``S'``
   is rounded to the compute dtype as it leaves the matmul; ``Sbar'`` is the
-  float32 sum of the matmul accumulator, divided by ``s2`` and rounded;
-  ``S' - m'`` is a compute-dtype subtraction whose result feeds a float32
-  ``exp`` (``exp2(x log2 e)``, as the kernel computes it; every ``exp`` here
-  is taken that way and rounded to the compute dtype); ``l'`` is the float32 sum of those exponentials, rounded; ``P`` is
-  the rounded exponential (the PV matmul operand).  ``m``, ``l``, ``F``, the
-  corrections and ``O`` are compute-dtype values, every operation rounded.
+  float32 sum of the matmul accumulator, divided by ``s2`` and rounded to
+  the state dtype; ``S' - m'`` is a compute-dtype subtraction whose result
+  feeds a float32 ``exp`` (``exp2(x log2 e)``, as the kernel computes it;
+  every ``exp`` here is taken that way and rounded to the state dtype);
+  ``l'`` is the float32 sum of those exponentials, rounded; ``P`` is the
+  exponential rounded to the compute dtype (the PV matmul operand), and the
+  block's ``P V`` is rounded to the state dtype.  ``m``, ``l``, ``F``, the
+  corrections and ``O`` are state-dtype values, every operation rounded.
 """
 from __future__ import annotations
 
@@ -50,6 +70,7 @@ import numpy as np
 from jaxattn import base
 
 DEFAULT_BETA0 = 1.0 - 2.0**-6
+KEY_ROUNDINGS = ("sum_preserving", "nearest")
 
 
 def _invariance(beta: float, n: int, dtype) -> float:
@@ -98,6 +119,14 @@ class PasaConfig(base.MethodConfig):
     block_k: keys per block (``s2``, the size of the shifting matrix).
     compute_dtype: ``"float16"`` (the paper), or ``"float32"``/``"float64"``
       to check the mathematical equivalence (reference only).
+    state_dtype: dtype of the running state ``m, l, O``, PASA's ``F`` and
+      ``Sbar'`` and the corrections: ``"float32"`` (default) or
+      ``"float16"`` (Algorithm 1 literally).  ``S'`` and ``P`` are in
+      ``compute_dtype`` either way.
+    key_rounding: how the shifted keys ``K' = scale M^T K`` become float16:
+      ``"sum_preserving"`` (default; one rounding, then each block's column
+      sums corrected, see the module docstring) or ``"nearest"`` (Algorithm
+      1 literally: ``fl(fl(M^T K) fl(scale))``).
     tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
       table in :mod:`pallas_kernels.flash`); the reference ignores them and
       the Mosaic kernel refuses them.
@@ -105,6 +134,8 @@ class PasaConfig(base.MethodConfig):
   beta: float | None = None
   block_k: int = base.DEFAULT_BLOCK_K
   compute_dtype: str = "float16"
+  state_dtype: str = "float32"
+  key_rounding: str = "sum_preserving"
   tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -114,8 +145,22 @@ class PasaConfig(base.MethodConfig):
     base.check_kernel_knobs(self)
     if self.compute_dtype not in ("float16", "float32", "float64"):
       raise ValueError("compute_dtype must be float16, float32 or float64")
+    if self.state_dtype not in ("float16", "float32"):
+      raise ValueError("state_dtype must be 'float16' or 'float32', got "
+                       f"{self.state_dtype!r}")
+    if self.key_rounding not in KEY_ROUNDINGS:
+      raise ValueError(f"key_rounding must be one of {KEY_ROUNDINGS}, got "
+                       f"{self.key_rounding!r}")
     if self.beta is not None and not 0.0 <= self.beta < 1.0:
       raise ValueError(f"beta must be in [0, 1), got {self.beta}")
+
+  @classmethod
+  def algorithm1(cls, **options) -> "PasaConfig":
+    """Algorithm 1 of the paper literally: float16 state, keys rounded to
+    nearest (the default allocation is more accurate, see the module
+    docstring)."""
+    return cls(**{"state_dtype": "float16", "key_rounding": "nearest",
+                  **options})
 
   @property
   def resolved_beta(self) -> float:
@@ -135,14 +180,51 @@ def shifting_matrix(beta: float, n: int, dtype) -> jax.Array:
   return jnp.asarray(m)
 
 
+def _sum_preserving_round(x, dtype, rounds: int = 2):
+  """``x`` ``[nb, bk, D]`` (float32) rounded to ``dtype`` so that each key
+  block's column sums stay within about half an ulp of ``x``'s.
+
+  Rounding to nearest leaves a column-sum error of up to ``bk / 2`` ulps
+  (all elements alike round one way), which PASA's recovery multiplies by
+  ``beta / (1 - beta)``.  Here, in each of ``rounds``, ``n`` of the elements
+  that rounded in the direction of their column's error and have the
+  column's largest such ulp move to their other neighbour, ``n`` the error
+  in that ulp (every element stays within one ulp of ``x``).  Which
+  candidates move rotates with the column, so that equal keys move in
+  equally many columns.  Reductions and a cumulative sum over the block:
+  no sort, no search.
+  """
+  f32 = x.dtype
+  r = x.astype(dtype)
+  col = jnp.arange(x.shape[2])
+  for _ in range(rounds):
+    d = r.astype(f32) - x                               # rounding errors
+    err = d.sum(axis=1, keepdims=True)                  # column errors
+    other = jnp.nextafter(r, jnp.where(d > 0, -jnp.inf, jnp.inf).astype(
+        dtype))
+    ulp = jnp.abs(other.astype(f32) - r.astype(f32))
+    candidate = (d * err > 0) & jnp.isfinite(ulp)
+    col_ulp = jnp.where(candidate, ulp, 0.0).max(axis=1, keepdims=True)
+    candidate &= ulp == col_ulp
+    n = jnp.round(jnp.abs(err) / jnp.maximum(col_ulp,
+                                             np.finfo(np.float32).tiny))
+    count = jnp.maximum(candidate.sum(axis=1, keepdims=True), 1)
+    rank = jnp.cumsum(candidate, axis=1) - 1            # among candidates
+    moved = candidate & ((rank - col * 37) % count < n)
+    r = jnp.where(moved, other, r)
+  return r
+
+
 def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
-               compute_dtype) -> jax.Array:
+               compute_dtype, key_rounding: str = "nearest") -> jax.Array:
   """PASA's key pre-processing: ``K'_j = scale * (M^T K_j)`` per key block.
 
   Args:
     k: ``[S, D]`` keys of one head.
     kv_len: int32 scalar; keys at or beyond it, and the padding of the last
       block, are replaced by the mean of the block's visible keys.
+    key_rounding: ``"nearest"`` (``fl(fl(M^T K) fl(scale))``) or
+      ``"sum_preserving"`` (see :func:`_sum_preserving_round`).
   Returns:
     ``[S_pad / block_k, block_k, D]`` shifted, scaled keys in ``compute_dtype``.
   """
@@ -156,9 +238,10 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
           / jnp.maximum(count, 1)).astype(cd)
   kb = jnp.where(valid, kb, mean)
   m = shifting_matrix(beta, block_k, cd)
-  shifted = jnp.einsum("nm,jnd->jmd", m, kb,
-                       preferred_element_type=acc).astype(cd)
-  return (shifted * jnp.asarray(scale, cd)).astype(cd)
+  shifted = jnp.einsum("nm,jnd->jmd", m, kb, preferred_element_type=acc)
+  if key_rounding == "sum_preserving" and cd != acc:
+    return _sum_preserving_round(shifted * jnp.asarray(scale, acc), cd)
+  return (shifted.astype(cd) * jnp.asarray(scale, cd)).astype(cd)
 
 
 def kernel_keys(k, kv_lens, *, scale: float, config: "PasaConfig"):
@@ -178,7 +261,8 @@ def kernel_keys(k, kv_lens, *, scale: float, config: "PasaConfig"):
 
   def per_head(k1, n1):
     return shift_keys(k1, n1, beta=beta, scale=scale, block_k=config.block_k,
-                      compute_dtype=jnp.float16).reshape(-1, d)
+                      compute_dtype=jnp.float16,
+                      key_rounding=config.key_rounding).reshape(-1, d)
   k = jax.vmap(jax.vmap(per_head, in_axes=(1, None), out_axes=1))(k, kv_lens)
   return k, float(np.float16(beta / (1.0 - beta)))
 
@@ -201,40 +285,42 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     raise ValueError("compute_dtype='float64' needs jax_enable_x64 "
                      "(jax.config.update('jax_enable_x64', True))")
   acc = jnp.float64 if cd == jnp.float64 else jnp.float32
+  sd = jnp.promote_types(cd, config.state_dtype)   # the state's dtype
   beta = config.resolved_beta
   bk = config.block_k
   inva = jnp.asarray(np.asarray(beta / (1.0 - beta), np.float64)
-                     .astype(base.as_numpy_dtype(cd)))
+                     .astype(base.as_numpy_dtype(cd)), sd)
   q, v = q.astype(cd), v.astype(cd)
   t, dv = q.shape[0], v.shape[-1]
   xs = base.block_inputs(k, v, bias, mask, kv_len, t=t, block_k=bk,
                          is_causal=is_causal)
   xs["k"] = shift_keys(k, kv_len, beta=beta, scale=scale, block_k=bk,
-                       compute_dtype=cd)
+                       compute_dtype=cd, key_rounding=config.key_rounding)
 
   def step(carry, x):
     m, l, o, f, count = carry
     s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
-    s_mean = (s_acc.sum(axis=-1) / bk).astype(cd)           # step 2
+    s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
     s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
     if "bias" in x:
       s = s + x["bias"].astype(cd)
     s = jnp.where(x["visible"], s, -jnp.inf)
     m_loc = s.max(axis=-1)                                   # step 1
     e = base.exp_f32(s - base.safe_max(m_loc)[:, None], acc)
-    l_loc = e.sum(axis=-1).astype(cd)
+    m_loc = m_loc.astype(sd)
+    l_loc = e.sum(axis=-1).astype(sd)
     p = e.astype(cd)
     j = count + 1
-    f_new = (((j - 1).astype(cd) * f) + s_mean) / j.astype(cd)   # step 3
+    f_new = (((j - 1).astype(sd) * f) + s_mean) / j.astype(sd)   # step 3
     dmp_prev = inva * (f - f_new)                            # step 4
     dmp_cur = inva * (s_mean - f_new)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    e_prev = base.exp_f32(dm_prev, acc).astype(cd)
-    e_cur = base.exp_f32(dm_cur, acc).astype(cd)
+    e_prev = base.exp_f32(dm_prev, acc).astype(sd)
+    e_cur = base.exp_f32(dm_cur, acc).astype(sd)
     l_new = e_prev * l + e_cur * l_loc                        # step 6
-    pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(cd)
+    pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(sd)
     o_new = e_cur[:, None] * pv + e_prev[:, None] * o
     seen = x["visible"].any(axis=-1)
     keep = lambda new, old: jnp.where(seen.reshape(-1, *[1] * (old.ndim - 1)),
@@ -242,11 +328,11 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     return (keep(m_new, m), keep(l_new, l), keep(o_new, o), keep(f_new, f),
             keep(j, count)), None
 
-  init = (*base.softmax_state(t, dv, cd), jnp.zeros((t,), cd),
+  init = (*base.softmax_state(t, dv, sd), jnp.zeros((t,), sd),
           jnp.zeros((t,), jnp.int32))
   (m, l, o, f, _), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l)
-  out_dtype = jnp.promote_types(cd, jnp.float32)  # float64 stays float64
+  out_dtype = jnp.promote_types(sd, jnp.float32)  # float64 stays float64
   if return_lse:
     # Scores are relative to the common reference beta F / (1 - beta).
     lse = (m.astype(acc) + inva.astype(acc) * f.astype(acc)

@@ -55,14 +55,16 @@ def default_params(precision: str, head_dim: int) -> common.KernelParams:
 
 def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
                   precision, block_q, block_k, has_bias, has_mask,
-                  return_lse):
+                  return_lse, state_dtype):
   """One query block of one head.
 
   q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
   kv_len_ref ``[1]`` int32; optional bias ``[block_q, S_pad]`` float32 and
   mask ``[block_q, S_pad]`` int8; outputs o ``[block_q, D]`` and optionally
   lse ``[block_q]`` float32 (natural log).  For PASA ``scale`` is
-  ``beta / (1 - beta)`` (the softmax scale is folded into the keys).
+  ``beta / (1 - beta)`` (the softmax scale is folded into the keys) and
+  ``state_dtype`` is the dtype of its ``m, l, O, F, Sbar'`` (float16 is
+  Algorithm 1; ``S'`` and ``P`` are float16 either way).
   """
   refs = list(refs)
   bias_ref = refs.pop(0) if has_bias else None
@@ -71,7 +73,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
   lse_ref = refs.pop(0) if return_lse else None
   f32, f16 = jnp.float32, jnp.float16
   is_pasa = precision == "pasa"
-  stat = f16 if precision in ("fp16", "pasa") else f32
+  stat = {"fp16": f16, "pasa": jnp.dtype(state_dtype)}.get(precision, f32)
   # "fp32"/"fp16_fp32" work in base 2 with scale*log2(e) applied in the FMA
   # of exp2(s * c - m); "fp16"/"pasa" mirror their references op for op.
   base2 = precision in ("fp32", "fp16_fp32")
@@ -80,8 +82,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
   q = q_ref[...]
   dv = o_ref.shape[-1]
 
-  def div16(a, b):  # correctly rounded float16 division (no f16 div in Triton)
-    return (a.astype(f32) / b.astype(f32)).astype(f16)
+  def div(a, b):  # correctly rounded (no float16 division in Triton)
+    return (a.astype(f32) / b.astype(f32)).astype(a.dtype)
 
   def body(j, carry, masked):
     m, l, o, f, count = carry
@@ -89,7 +91,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
     s = lax.dot_general(q, k_ref[ks, :], (((1,), (1,)), ((), ())),
                         preferred_element_type=f32)
     if is_pasa:
-      s_mean = (jnp.sum(s, axis=1) / block_k).astype(f16)
+      s_mean = (jnp.sum(s, axis=1) / block_k).astype(stat)
     if precision != "fp32":
       s = s.astype(f16)  # the score matrix leaves the matmul unit in fp16
     if precision == "fp16":
@@ -122,25 +124,26 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
                            preferred_element_type=f32)
       o = alpha[:, None] * o + pv.astype(stat)
       return m_new, l, o, f, count
-    # PASA steps 1-6 (float16), as jaxattn.pasa.pasa_head.
+    # PASA steps 1-6, as jaxattn.pasa.pasa_head.
     m_loc = jnp.max(s, axis=1)
     m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc).astype(f16)
     e = common.exp_f32(s - m_ref[:, None])
-    l_loc = jnp.sum(e, axis=1).astype(f16)
+    m_loc = m_loc.astype(stat)
+    l_loc = jnp.sum(e, axis=1).astype(stat)
     p = e.astype(f16)
     jn = count + 1
-    f_new = div16((jn - 1).astype(f16) * f + s_mean, jn.astype(f16))
-    inva = jnp.asarray(scale, f16)
+    f_new = div((jn - 1).astype(stat) * f + s_mean, jn.astype(stat))
+    inva = jnp.asarray(scale, stat)
     dmp_prev = inva * (f - f_new)
     dmp_cur = inva * (s_mean - f_new)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    e_prev = common.exp_f32(dm_prev).astype(f16)
-    e_cur = common.exp_f32(dm_cur).astype(f16)
+    e_prev = common.exp_f32(dm_prev).astype(stat)
+    e_cur = common.exp_f32(dm_cur).astype(stat)
     l_new = e_prev * l + e_cur * l_loc
     pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())),
-                         preferred_element_type=f32).astype(f16)
+                         preferred_element_type=f32).astype(stat)
     o_new = e_cur[:, None] * pv + e_prev[:, None] * o
     if visible is None:
       return m_new, l_new, o_new, f_new, jn
@@ -160,7 +163,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
                                 functools.partial(body, masked=True), carry)
   empty = l == 0
   safe_l = jnp.where(empty, 1.0, l).astype(stat)
-  out = div16(o, safe_l[:, None]) if stat == f16 else o / safe_l[:, None]
+  out = div(o, safe_l[:, None])
   out = jnp.where(empty[:, None], 0.0, out)
   o_ref[...] = out.astype(o_ref.dtype)
   if return_lse:
@@ -175,7 +178,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
 
 
 def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
-                    is_causal, precision, params, return_lse=False):
+                    is_causal, precision, params, return_lse=False,
+                    state_dtype=jnp.float16):
   """Batched flash attention through the kernel.
 
   Args:
@@ -185,6 +189,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       S]`` or None.
     scale: the softmax scale (``"pasa"``: ``fl16(beta / (1 - beta))``).
     precision: one of :data:`PRECISIONS` (static).
+    state_dtype: ``"pasa"`` only: the dtype of the running state (float16
+      is PASA's Algorithm 1; float32 its default allocation).
     params: block sizes, warps and stages (:func:`default_params`).
   Returns: ``[B, T, N, D]`` (float16 for the float16 precisions, the input
     dtype for "fp32"), and the float32 log-sum-exp ``[B, N, T]`` if
@@ -234,7 +240,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
   kernel = functools.partial(
       _flash_kernel, scale=scale, is_causal=is_causal,
       precision=precision, block_q=bq, block_k=bk, has_bias=bias is not None,
-      has_mask=mask is not None, return_lse=return_lse)
+      has_mask=mask is not None, return_lse=return_lse,
+      state_dtype=jnp.dtype(state_dtype).name)
   outs = pl.pallas_call(
       kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,

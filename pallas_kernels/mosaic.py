@@ -32,8 +32,9 @@ Operand types (static ``qk`` / ``pv``):
   quantized P.
 
 ``pasa_inva`` (PASA): Q and the shifted keys in float16, the softmax of
-Algorithm 1 (steps 1-6) in float16 with the online pseudo-average, the
-per-block ``P V`` rounded to float16 and added into a float16 ``O``.
+Algorithm 1 (steps 1-6) with the online pseudo-average: ``S'`` and ``P`` in
+float16, the state (``m, l, O, F``, the per-block ``P V``) in
+``pasa_state_dtype`` (float16 is the paper's Algorithm 1).
 
 8-bit P feeds the PV wgmma from registers: the accumulator-layout
 registers are reinterpreted as the 8-bit operand layout without moving data
@@ -144,15 +145,15 @@ def _smem(shape, dtype):
       plgpu.SwizzleTransform(swizzle)))
 
 
-def _pasa_scores(s, visible, *, block_k):
+def _pasa_scores(s, visible, *, block_k, state_dtype):
   """PASA steps 1-2 on one key block's float32 product ``S' = Q K'^T``
   (``[bq, bk]``, WGMMA layout), as :func:`jaxattn.pasa.pasa_head`: the
   row mean over all ``bk`` columns before any mask, ``S'`` rounded to
   float16, its masked row max ``m'``, ``P = fl16(exp(S' - m'))`` and
-  ``l' = fl16(rowsum exp(S' - m'))``.  Returns ``P`` (float16) and the rows
-  ``(s_mean, m', l', seen)``."""
+  ``l' = rowsum exp(S' - m')``.  Returns ``P`` (float16) and the rows
+  ``(s_mean, m', l', seen)`` in ``state_dtype``."""
   f32, f16 = jnp.float32, jnp.float16
-  s_mean = (s.sum(axis=1) * (1.0 / block_k)).astype(f16)
+  s_mean = (s.sum(axis=1) * (1.0 / block_k)).astype(state_dtype)
   s = s.astype(f16)
   seen = None
   if visible is not None:
@@ -162,29 +163,34 @@ def _pasa_scores(s, visible, *, block_k):
   m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc)
   e = jnp.exp2((s - lax.broadcast_in_dim(m_ref, s.shape, [0])).astype(f32)
                * LOG2E)
-  return e.astype(f16), (s_mean, m_loc, e.sum(axis=1).astype(f16), seen)
+  sd = state_dtype
+  return e.astype(f16), (s_mean, m_loc.astype(sd), e.sum(axis=1).astype(sd),
+                         seen)
 
 
 def _pasa_update(state, rows, pv_blk, *, inva):
-  """PASA steps 3-6 in float16 (:func:`jaxattn.pasa.pasa_head`): the online
-  pseudo-average ``F``, the corrections ``dm'``, the new max and the
-  rescaled ``l`` and ``O`` with the block's ``fl16(P V)``.  ``state`` is
-  ``(O, m, l, (F, count))``; rows that see no key of the block keep it."""
-  f32, f16 = jnp.float32, jnp.float16
+  """PASA steps 3-6 (:func:`jaxattn.pasa.pasa_head`) in the state's dtype
+  (``O``'s): the online pseudo-average ``F``, the corrections ``dm'``, the
+  new max and the rescaled ``l`` and ``O`` with the block's ``P V``.
+  ``state`` is ``(O, m, l, (F, count))``; rows that see no key of the block
+  keep it."""
+  f32 = jnp.float32
   o, m, l, (f, count) = state
+  sd = o.dtype
   s_mean, m_loc, l_loc, seen = rows
-  exp16 = lambda x: jnp.exp2(x.astype(f32) * LOG2E).astype(f16)
+  exp_sd = lambda x: jnp.exp2(x.astype(f32) * LOG2E).astype(sd)
   jn = count + 1.0                      # the block count j (exact in f32)
-  f_new = (count.astype(f16) * f + s_mean).astype(f32)
-  f_new = (f_new / jn.astype(f16).astype(f32)).astype(f16)
+  f_new = (count.astype(sd) * f + s_mean).astype(f32)
+  f_new = (f_new / jn.astype(sd).astype(f32)).astype(sd)
+  inva = jnp.asarray(inva, sd)
   dmp_prev = inva * (f - f_new)
   dmp_cur = inva * (s_mean - f_new)
   m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
-  e_prev = exp16((m - m_new) + dmp_prev)
-  e_cur = exp16((m_loc - m_new) + dmp_cur)
+  e_prev = exp_sd((m - m_new) + dmp_prev)
+  e_cur = exp_sd((m_loc - m_new) + dmp_cur)
   l_new = e_prev * l + e_cur * l_loc
   rows_of = lambda x: lax.broadcast_in_dim(x, o.shape, [0])
-  o_new = rows_of(e_cur) * pv_blk.astype(f16) + rows_of(e_prev) * o
+  o_new = rows_of(e_cur) * pv_blk.astype(sd) + rows_of(e_prev) * o
   if seen is None:
     return o_new, m_new, l_new, (f_new, jn)
   keep = lambda new, old: jnp.where(seen, new, old)
@@ -193,7 +199,8 @@ def _pasa_update(state, rows, pv_blk, *, inva):
 
 
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
-            block_q, block_k, stages, group, c_scale, pasa, has_qk_scales,
+            block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
+            has_qk_scales,
             has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
             out_dtype, exact_exponent):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
@@ -258,7 +265,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
           # becomes tiny, which leaves its scores at 0
           q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
-      stat = f16 if pasa else f32   # PASA keeps m, l, O (and F) in float16
+      stat = jnp.dtype(pasa_state_dtype) if pasa else f32
       row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
                                                  row_layout)
       m_i, l_i = row(-jnp.inf), row(0.0)
@@ -312,7 +319,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         the new row max and sum, and the factor ``alpha`` of the old ones
         (PASA: P and the block's rows for :func:`_pasa_update`)."""
         if pasa:
-          p, pasa_rows = _pasa_scores(s, visible, block_k=bk)
+          p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
+                                      state_dtype=stat)
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
@@ -528,7 +536,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
-                     out_shift=None, pasa_inva=None, v_keys_ordered=False,
+                     out_shift=None, pasa_inva=None,
+                     pasa_state_dtype=jnp.float16, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False):
   """Runs the kernel on BTNH inputs.
 
@@ -546,8 +555,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     out_scale, out_shift: float32 ``[B, K, D]`` or None.
     pasa_inva: PASA's ``fl16(beta / (1 - beta))``: k then holds the shifted,
       scaled float16 keys (PASA's per-block shift, done by the caller) and
-      the softmax runs PASA's steps 1-6 in float16 (``qk = pv = "fp16"``,
-      float16 only).
+      the softmax runs PASA's steps 1-6 (``qk = pv = "fp16"``, float16
+      only) with the state in ``pasa_state_dtype`` (float16: Algorithm 1).
     exact_exponent: the exponent as ``(s - m) * c`` (exact for the scores
       near the row max however large they are; one more instruction per
       score) instead of the fused ``s * c - m``; needed where
@@ -615,6 +624,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
+      pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
       has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,

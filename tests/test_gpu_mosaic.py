@@ -97,3 +97,16 @@ def test_mosaic_pasa_table4_overflow(case):
         f"%, rel_rmse {rel:.2e}, vs triton {_rel(out, tri):.2e}")
   assert metrics.nonfinite_fraction(out) == 0.0
   assert rel < 6e-2 and _rel(out, tri) < 1e-2
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_pasa_kernels_beat_fp16_fp32_on_the_papers_sweeps(implementation):
+  """The CPU test of the PASA allocations (tests/test_flash_pasa.py) on the
+  GPU kernels at the paper's Table 4 shape: the default beats fp16_fp32 at
+  every non-zero mean of Figures 9 and 10, Algorithm 1 mostly does not."""
+  from test_flash_pasa import check_sweep_ordering, sweep_errors
+  errors = sweep_errors(implementation, (1, 1280, 16, 128))
+  for point, e in errors.items():
+    print(f"\n{implementation} {point}: " + ", ".join(
+        f"{n} {x:.2e}" for n, x in e.items()))
+  check_sweep_ordering(errors)

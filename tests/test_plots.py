@@ -70,8 +70,8 @@ def report_doc():
 
 
 def test_sweep_numbers(report_doc):
-  assert len(report_doc["progress_lines"]) == 4 * (6 + 8)
-  assert report_doc["progress_lines"][-1].startswith("[56/56]")
+  assert len(report_doc["progress_lines"]) == 5 * (6 + 8)
+  assert report_doc["progress_lines"][-1].startswith("[70/70]")
   rows = report_doc["pasa_sweep"]
   assert [(r["dist"], r["vary"], r["x0"], r["am"]) for r in rows] == [
       ("uniform", "x0", 0.0, 0.5), ("uniform", "x0", 30.0, 0.5),

@@ -118,14 +118,15 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   """PASA's keys shifted once per block (as for the Triton kernel), then
-  its float16 softmax in the kernel; float16 output."""
+  its softmax in the kernel (``S'``, ``P`` float16, the state in
+  ``config.state_dtype``); float16 output."""
   del bias, mask
   k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
   f16 = jnp.float16
   return mosaic.mosaic_attention(
       q.astype(f16), k_shifted, v.astype(f16), kv_lens, qk="fp16", pv="fp16",
       is_causal=is_causal, params=mosaic.MosaicParams(block_k=config.block_k),
-      pasa_inva=inva, out_dtype=f16)
+      pasa_inva=inva, pasa_state_dtype=config.state_dtype, out_dtype=f16)
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):

@@ -81,7 +81,8 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
   return flash.flash_attention(
       q, k_shifted, v, kv_lens, bias, mask, scale=inva, is_causal=is_causal,
-      precision="pasa", params=flash_params("pasa", q.shape[-1], config))
+      precision="pasa", params=flash_params("pasa", q.shape[-1], config),
+      state_dtype=config.state_dtype)
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):
