@@ -20,14 +20,18 @@ class Method:
   is_causal, config)`` on normalised BTNH inputs (bias/mask broadcast to
   ``[B, N, T, S]`` or None, ``kv_lens`` int32 ``[B]``) returning float32
   ``[B, T, N, Dv]`` (``fmha_int8`` with ``return_int8``: a tuple).
-  ``quantized``: integer/fp8 quantizers swallow NaN and Inf, so the API
-  propagates non-finite inputs itself.
+  ``confine_nonfinite``: the method takes statistics across rows or keys
+  (quantization scales, smoothing means, PASA's key-block shift), through
+  which one NaN/Inf would reach rows that float32 attention keeps finite,
+  and its quantizers turn NaN/Inf into finite numbers.  The API therefore
+  zeroes non-finite input elements before the method runs and sets NaN in
+  exactly the rows they reach (``api._rows_reached_by_nonfinite``).
   """
   name: str
   config_cls: type
   reference: Callable[..., Any]
   doc: str
-  quantized: bool = False
+  confine_nonfinite: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -38,21 +42,22 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fp16", flash.FlashConfig, flash.reference("fp16"),
            "fully float16 flash attention"),
     Method("pasa", pasa.PasaConfig, pasa.reference,
-           "PASA: float16 attention with online pseudo-average shifting"),
+           "PASA: float16 attention with online pseudo-average shifting",
+           confine_nonfinite=True),
     Method("sage", sage.SageConfig, sage.reference,
            "SageAttention2: smoothed int8/int4 QK (per-warp scales), fp8 PV "
            "with per-channel V scales; presets sage2-8b, sage2-4b, sage1",
-           quantized=True),
+           confine_nonfinite=True),
     Method("int8", int_flash.Int8Config, int_flash.reference,
            "INT-FlashAttention: token-level int8 Q/K, int8 V and P (int32 "
            "matmuls); pv_dtype='fp16' is the half-INT8 variant",
-           quantized=True),
+           confine_nonfinite=True),
     Method("fmha_int8", fmha.FmhaConfig, fmha.reference,
            "8-bit FMHA: per-tensor static/dynamic amax int8 Q/K/V/O, uint8 P",
-           quantized=True),
+           confine_nonfinite=True),
     Method("fp8", fp8.Fp8Config, fp8.reference,
            "FlashAttention-3-style FP8: e4m3 Q/K/V/P, per-tensor or per-block "
-           "descales, float32 accumulation", quantized=True),
+           "descales, float32 accumulation", confine_nonfinite=True),
 )}
 
 

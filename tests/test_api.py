@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import metrics
+from jaxattn import api, methods, metrics
 from jaxattn.metrics import exact_attention as textbook
 
 F32 = np.float32
@@ -298,6 +298,88 @@ def test_nan_in_one_query_row_stays_in_that_row(method):
   assert np.isnan(out[1, 7, 1]).all()
   assert np.isfinite(np.delete(out.reshape(-1, D), 1 * T * N + 7 * N + 1,
                                axis=0)).all()
+
+
+def _rows_seeing(t, s, kv_len, causal, mask, j):
+  """numpy ``[T]``: which query rows see key ``j``."""
+  rows = np.full(t, j < kv_len)
+  if causal:
+    rows &= np.arange(t) >= j
+  if mask is not None:
+    rows &= mask[:, j]
+  return rows
+
+
+# (tensor, value, causal, with a mask): one corrupted element each.
+NONFINITE_CASES = [("q", np.inf, True, False), ("q", np.nan, False, True),
+                   ("k", np.nan, True, False), ("k", np.inf, False, False),
+                   ("v", np.nan, True, True), ("v", -np.inf, False, False)]
+
+
+@pytest.mark.parametrize("method", list(jaxattn.METHODS))
+@pytest.mark.parametrize("impl", ["reference", "triton", "mosaic"])
+def test_nonfinite_reaches_the_rows_it_reaches_in_float32(method, impl):
+  """The flash methods (fp32, fp16_fp32, fp16) poison the rows float32
+  attention poisons.  In the others (``confine_nonfinite``), one NaN/Inf in
+  Q, K or V (causal or not, with a mask or not) makes NaN exactly the rows
+  it reaches: a query row that sees a key, or the rows
+  that see the corrupted key or value (computed here in numpy).  Float32
+  attention poisons the same rows, except two cases that are documented:
+  an infinite key is ignored by float32 attention in the rows where its
+  score is -inf (jaxattn: NaN there too, never a finite wrong row), and
+  float32 flash attention also poisons rows that multiply a NaN value by a
+  masked probability of 0 (jaxattn keeps those finite).  Every other row
+  equals the same call with the corrupted element set to 0: one bad value
+  does not move the scales, means or shifts of its neighbours."""
+  b, t, s, n, d = 1, 40, 70, 2, 64
+  r = np.random.default_rng(3)
+  base = {x: r.standard_normal((b, t if x == "q" else s, n if x == "q" else 1,
+                                d)).astype(F32) for x in "qkv"}
+  mask = r.random((t, s)) < 0.7
+  for where, value, causal, with_mask in NONFINITE_CASES:
+    m = mask if with_mask else None
+    kw = dict(is_causal=causal, mask=None if m is None else jnp.asarray(m))
+    pos = 13
+    bad, zeroed = dict(base), dict(base)
+    bad[where] = base[where].copy()
+    bad[where][0, pos, 0, 5] = value
+    zeroed[where] = base[where].copy()
+    zeroed[where][0, pos, 0, 5] = 0.0
+    as16 = lambda x: {n_: jnp.asarray(a, jnp.float16) for n_, a in x.items()}
+    bad16, zero16 = as16(bad), as16(zeroed)
+    try:
+      api.resolve_implementation(bad16["q"], bad16["k"], bad16["v"],
+                                 method=method, implementation=impl, **kw)
+    except NotImplementedError:
+      continue
+    run = lambda x: np.asarray(jaxattn.dot_product_attention(
+        x["q"], x["k"], x["v"], method=method, implementation=impl, **kw),
+        np.float32)
+    out, clean = run(bad16), run(zero16)
+    got = ~np.isfinite(out).all(-1)[0]                       # [T, N]
+    f32 = ~np.isfinite(np.asarray(jaxattn.dot_product_attention(
+        *(jnp.asarray(a, jnp.float16).astype(jnp.float32)
+          for a in (bad["q"], bad["k"], bad["v"])),
+        implementation="reference", **kw))).all(-1)[0]
+    want = np.zeros((t, n), bool)
+    if where == "q":
+      sees_any = np.array([_rows_seeing(t, s, s, causal, m, j)
+                           for j in range(s)]).any(0)
+      want[pos, 0] = sees_any[pos]
+    else:
+      want[:, :] = _rows_seeing(t, s, s, causal, m, pos)[:, None]
+    case = (where, value, causal, with_mask)
+    if not methods.get(method).confine_nonfinite:  # float32's own behaviour
+      assert (got == f32).all(), (case, np.argwhere(got != f32).tolist())
+      continue
+    assert (got == want).all(), (case, np.argwhere(got != want).tolist())
+    if where == "k" and np.isinf(value):
+      assert (f32 <= want).all(), case
+    elif where == "v":
+      assert (want <= f32).all(), case
+    else:
+      assert (want == f32).all(), case
+    np.testing.assert_array_equal(out[0][~got], clean[0][~got], err_msg=str(case))
 
 
 # Relative RMSE of uniform attention (zero Q and K) against mean(V); the
