@@ -1,0 +1,110 @@
+"""Every method on every backend at float16's extremes (+-65504, values near
+it, subnormals, V at +-65504), against float32 attention on the same float16
+values:
+
+* NaN is never wider than float32's, except where a method overflows by
+  design (``fp16_fp32`` and ``fp16`` scores past 65504, ``fp16``'s float16
+  accumulator, PASA past its bound, the README's "PASA's bound"), and there
+  what stays finite is float32's value, never a finite wrong number;
+* each kernel equals its own method's reference (test_fuzz's KERNEL_TOL),
+  except at +-65504 exactly, where scores tie exactly and float32 sums
+  break the ties by their order (a kernel and the reference then pick
+  different keys, both right to float32);
+* where the inputs are well conditioned (subnormal Q, K; extreme V) the
+  error against float32 is within the method's budget (test_fuzz's
+  ERROR_BUDGET, the README's table).
+"""
+import numpy as np
+import pytest
+
+import jax.numpy as jnp
+
+import jaxattn
+from jaxattn import api, metrics
+from test_fuzz import ERROR_BUDGET, KERNEL_TOL, OUTPUT_ROUNDING
+
+SHAPE = (1, 40, 70, 2, 64)        # B, T, S, N, D (CPU: interpret mode)
+GPU_SHAPE = (2, 300, 1000, 4, 128)
+F16_MAX = 65504.0
+
+
+def _inputs(case, shape):
+  B, T, S, N, D = shape
+  r = np.random.default_rng(11)
+  normal = lambda *shape: r.standard_normal(shape).astype(np.float32)
+  signs = lambda *shape: np.where(r.random(shape) < 0.5, -1.0, 1.0)
+  q, k, v = normal(B, T, N, D), normal(B, S, N, D), normal(B, S, N, D)
+  if case == "max":
+    q, k = F16_MAX * signs(B, T, N, D), F16_MAX * signs(B, S, N, D)
+  elif case == "near_max":
+    q, k = (np.clip(x * 6e4, -F16_MAX, F16_MAX) for x in (q, k))
+  elif case == "subnormal":
+    q, k = q * 3e-8, k * 3e-8
+  elif case == "v_max":
+    v = F16_MAX * signs(B, S, N, D)
+  return tuple(jnp.asarray(x, jnp.float16) for x in (q, k, v))
+
+
+def _by_design(method, case):
+  """The method overflows float16 on these inputs by design."""
+  scores_overflow = case in ("max", "near_max")
+  return ((method in ("fp16_fp32", "pasa") and scores_overflow)
+          or (method == "fp16" and case != "subnormal"))
+
+
+CASES = ["max", "near_max", "subnormal", "v_max"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_method_and_backend_at_float16_extremes(case):
+  check(case, SHAPE)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_gpu_kernels_at_float16_extremes(case):
+  """The same on the GPU kernels, at a size with many key blocks."""
+  check(case, GPU_SHAPE)
+
+
+def check(case, shape):
+  q, k, v = _inputs(case, shape)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref32 = np.asarray(jaxattn.dot_product_attention(
+      f32(q), f32(k), f32(v), implementation="reference"), np.float64)
+  assert np.isfinite(ref32).all()
+  checked = 0
+  for method in jaxattn.METHODS:
+    ref = None
+    for impl in ("reference", "triton", "mosaic"):
+      try:
+        api.resolve_implementation(q, k, v, method=method,
+                                   implementation=impl)
+      except NotImplementedError:
+        continue
+      out = jaxattn.dot_product_attention(q, k, v, method=method,
+                                          implementation=impl)
+      out = np.asarray(out[0] if isinstance(out, tuple) else out, np.float64)
+      label = (case, method, impl)
+      rows_bad = ~np.isfinite(out).all(-1)
+      if _by_design(method, case):
+        # what stays finite in a poisoned row is float32's value (scores
+        # past 65504 make the row NaN; fp16's accumulator overflows only
+        # some elements of a row to inf)
+        row_scale = np.abs(ref32).max(-1, keepdims=True)
+        finite = np.isfinite(out) & rows_bad[..., None]
+        dev = np.abs(np.where(finite, out - ref32, 0.0)) / row_scale
+        assert dev.max() < 1e-2, (label, dev.max())
+      else:
+        assert not rows_bad.any(), (label, rows_bad.mean())
+      if impl == "reference":
+        ref = out
+      elif case != "max" and not rows_bad.any():
+        err = metrics.relative_rmse(out, ref)
+        tol = max(KERNEL_TOL[method], OUTPUT_ROUNDING["float16"])
+        assert err < tol, (label, err)
+      if case in ("subnormal", "v_max") and not _by_design(method, case):
+        err = metrics.relative_rmse(out, ref32)
+        assert err < ERROR_BUDGET[method], (label, err)
+      checked += 1
+  assert checked >= 18, checked
