@@ -192,7 +192,8 @@ def _rows_reached_by_nonfinite(q, k, v, mask, kv_lens, *, is_causal):
     if is_causal:   # row i sees keys j <= i: reached from the first bad key
       first = jnp.where(bad_key & seen[..., None], cols[None, :, None],
                         s).min(axis=1)                         # [B, N]
-      reached = jnp.arange(t)[None, :, None] >= first[:, None, :]
+      reached = ((jnp.arange(t)[None, :, None] >= first[:, None, :])
+                 & (first < s)[:, None, :])
       sees_any = (kv_lens > 0)[:, None, None]
     else:
       reached = (bad_key & seen[..., None]).any(axis=1)[:, None, :]
