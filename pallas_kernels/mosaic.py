@@ -200,9 +200,8 @@ def _pasa_update(state, rows, pv_blk, *, inva):
 
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
-            has_qk_scales,
-            has_qbias, bias_rows, has_vbs, has_epilogue, p_in_smem, fused_pv,
-            out_dtype, exact_exponent):
+            has_qk_scales, has_qbias, bias_rows, has_vbs, has_epilogue,
+            p_in_smem, fused_pv, out_dtype, exact_exponent):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
