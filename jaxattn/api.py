@@ -189,15 +189,14 @@ def _rows_reached_by_nonfinite(q, k, v, mask, kv_lens, *, is_causal):
   cols = jnp.arange(s)
   seen = cols[None, :] < kv_lens[:, None]                      # [B, S]
   if mask is None:
+    sees_any = (kv_lens > 0)[:, None, None]    # causal rows all see key 0
     if is_causal:   # row i sees keys j <= i: reached from the first bad key
       first = jnp.where(bad_key & seen[..., None], cols[None, :, None],
                         s).min(axis=1)                         # [B, N]
       reached = ((jnp.arange(t)[None, :, None] >= first[:, None, :])
                  & (first < s)[:, None, :])
-      sees_any = (kv_lens > 0)[:, None, None]
     else:
       reached = (bad_key & seen[..., None]).any(axis=1)[:, None, :]
-      sees_any = (kv_lens > 0)[:, None, None]
   else:
     vis = mask & seen[:, None, None, :]                        # [B, N, T, S]
     if is_causal:

@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import api, data, methods, metrics, operands
+from jaxattn import api, data, methods, metrics, operands, pasa
 from jaxattn.report import Progress, new_figure, require_matplotlib
 from jaxattn.tuning import time_call
 from pallas_kernels import common
@@ -54,8 +54,7 @@ JAXATTN_VARIANTS = [
     ("jaxattn_fp16_fp32", "fp16_fp32", {}),
     ("jaxattn_fp16", "fp16", {}),
     ("jaxattn_pasa", "pasa", {}),
-    ("jaxattn_pasa_algorithm1", "pasa", {"state_dtype": "float16",
-                                         "key_rounding": "nearest"}),
+    ("jaxattn_pasa_algorithm1", "pasa", pasa.ALGORITHM1),
     ("jaxattn_sage2-8b", "sage", {"preset": "sage2-8b"}),
     ("jaxattn_sage2-4b", "sage", {"preset": "sage2-4b"}),
     ("jaxattn_sage1", "sage", {"preset": "sage1"}),

@@ -71,6 +71,8 @@ from jaxattn import base
 
 DEFAULT_BETA0 = 1.0 - 2.0**-6
 KEY_ROUNDINGS = ("sum_preserving", "nearest")
+# The options that make PasaConfig the paper's Algorithm 1 literally.
+ALGORITHM1 = {"state_dtype": "float16", "key_rounding": "nearest"}
 
 
 def _invariance(beta: float, n: int, dtype) -> float:
@@ -159,8 +161,7 @@ class PasaConfig(base.MethodConfig):
     """Algorithm 1 of the paper literally: float16 state, keys rounded to
     nearest (the default allocation is more accurate, see the module
     docstring)."""
-    return cls(**{"state_dtype": "float16", "key_rounding": "nearest",
-                  **options})
+    return cls(**{**ALGORITHM1, **options})
 
   @property
   def resolved_beta(self) -> float:
@@ -216,7 +217,7 @@ def _sum_preserving_round(x, dtype, rounds: int = 2):
 
 
 def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
-               compute_dtype, key_rounding: str = "nearest") -> jax.Array:
+               compute_dtype, key_rounding: str) -> jax.Array:
   """PASA's key pre-processing: ``K'_j = scale * (M^T K_j)`` per key block.
 
   Args:

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from jaxattn import data, metrics
+from jaxattn import data, metrics, pasa
 from jaxattn.metrics import exact_attention
 
 
@@ -118,8 +118,7 @@ PASA_ALLOCATIONS = {
     "fp16_fp32": ("fp16_fp32", {}),
     "fp16": ("fp16", {}),
     "pasa": ("pasa", {}),
-    "pasa_algorithm1": ("pasa", dict(state_dtype="float16",
-                                     key_rounding="nearest")),
+    "pasa_algorithm1": ("pasa", pasa.ALGORITHM1),
     "fp32": ("fp32", {}),
 }
 PASA_METHODS = tuple(PASA_ALLOCATIONS)

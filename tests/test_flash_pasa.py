@@ -298,7 +298,7 @@ def test_shift_keys_is_explicit_shift(cd):
   for kv_len in (s, 90):   # 3 blocks (the last partial); 90: block 1 partial
     out = np.asarray(pasa.shift_keys(
         jnp.asarray(k), jnp.int32(kv_len), beta=beta, scale=scale,
-        block_k=bk, compute_dtype=cd))
+        block_k=bk, compute_dtype=cd, key_rounding="nearest"))
     assert out.dtype == np.dtype(cd) and out.shape == (3, bk, d)
     expected, filled = _explicit_shift(k, kv_len, beta, scale, bk, cd)
     # Max error relative to the block's largest shifted key; measured
@@ -359,8 +359,7 @@ def sweep_errors(implementation="reference", shape=(1, 512, 2, 128)):
   from jaxattn import report
   allocations = {"fp16_fp32": dict(method="fp16_fp32"),
                  "pasa": dict(method="pasa"),
-                 "algorithm1": dict(method="pasa", state_dtype="float16",
-                                    key_rounding="nearest")}
+                 "algorithm1": dict(method="pasa", **pasa.ALGORITHM1)}
   out = {}
   for dist, x0, am in report.sweep_inputs(report.PASA_SWEEPS):
     q, k, v = data.pasa_case(jax.random.key(3), dict(dist=dist, x0=x0,
