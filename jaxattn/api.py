@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, methods
+from jaxattn import base, methods, nonfinite
 from jaxattn.backends import Call
 from jaxattn.backends import mosaic, reference, triton
 
@@ -158,61 +158,14 @@ def select_backend(implementation: str | None, call: Call) -> str:
 def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
                is_causal, config):
   adapter = BACKENDS[implementation].ADAPTERS[method]
-  confine = methods.get(method).confine_nonfinite
-  if confine:   # statistics over finite values only; NaN restored below
-    poisoned = _rows_reached_by_nonfinite(q, k, v, mask, kv_lens,
-                                          is_causal=is_causal)
-    q, k, v = (jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
-               for x in (q, k, v))
-  out = adapter.run(q, k, v, bias, mask, kv_lens, scale=scale,
-                    is_causal=is_causal, config=config)
-  if confine:
-    out = _poison(out, poisoned)
+  run = adapter.run
+  if methods.get(method).confine_nonfinite and not adapter.confines_nonfinite:
+    run = functools.partial(nonfinite.confined, adapter.run)
+  out = run(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
+            config=config)
   if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
     return out
   return out.astype(q.dtype)
-
-
-def _rows_reached_by_nonfinite(q, k, v, mask, kv_lens, *, is_causal):
-  """Boolean ``[B, T, N]``: the rows a non-finite input reaches, as in
-  float32 attention.  A row is reached when its query has a NaN/Inf and it
-  sees a key, or when it sees a key whose key or value vector has one
-  (``kv_lens``, causality and ``mask`` decide what a row sees).  (Float32
-  attention also ignores an infinite key in the rows where its score is
-  ``-inf``; here every row that sees it is reached.)"""
-  b, t, n, _ = q.shape
-  s, nk = k.shape[1], k.shape[2]
-  g = n // nk
-  bad_q = ~jnp.isfinite(q).all(axis=-1)                        # [B, T, N]
-  bad_key = ~(jnp.isfinite(k).all(axis=-1) & jnp.isfinite(v).all(axis=-1))
-  bad_key = jnp.repeat(bad_key, g, axis=2)                     # [B, S, N]
-  cols = jnp.arange(s)
-  seen = cols[None, :] < kv_lens[:, None]                      # [B, S]
-  if mask is None:
-    sees_any = (kv_lens > 0)[:, None, None]    # causal rows all see key 0
-    if is_causal:   # row i sees keys j <= i: reached from the first bad key
-      first = jnp.where(bad_key & seen[..., None], cols[None, :, None],
-                        s).min(axis=1)                         # [B, N]
-      reached = ((jnp.arange(t)[None, :, None] >= first[:, None, :])
-                 & (first < s)[:, None, :])
-    else:
-      reached = (bad_key & seen[..., None]).any(axis=1)[:, None, :]
-  else:
-    vis = mask & seen[:, None, None, :]                        # [B, N, T, S]
-    if is_causal:
-      vis = vis & (cols[None, :] <= jnp.arange(t)[:, None])
-    reached = (vis & jnp.transpose(bad_key, (0, 2, 1))[:, :, None, :]).any(-1)
-    reached = jnp.transpose(reached, (0, 2, 1))
-    sees_any = jnp.transpose(vis.any(-1), (0, 2, 1))
-  return (bad_q & sees_any) | reached
-
-
-def _poison(out, rows):
-  """NaN in the output ``rows`` (``[B, T, N]``).  An int8 output (a tuple:
-  one scale for the tensor) gets a NaN scale when any row is reached."""
-  if isinstance(out, tuple):
-    return (out[0], jnp.where(rows.any(), jnp.nan, out[1]), *out[2:])
-  return jnp.where(rows[..., None], jnp.nan, out)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,

@@ -23,9 +23,10 @@ class Method:
   ``confine_nonfinite``: the method takes statistics across rows or keys
   (quantization scales, smoothing means, PASA's key-block shift), through
   which one NaN/Inf would reach rows that float32 attention keeps finite,
-  and its quantizers turn NaN/Inf into finite numbers.  The API therefore
-  zeroes non-finite input elements before the method runs and sets NaN in
-  exactly the rows they reach (``api._rows_reached_by_nonfinite``).
+  and its quantizers turn NaN/Inf into finite numbers.  Such a method runs
+  as if non-finite input elements were 0, with NaN in exactly the rows they
+  reach (:mod:`jaxattn.nonfinite`): inside the operand kernels where the
+  backend's adapter flags the rows itself, else through one XLA pass.
   """
   name: str
   config_cls: type

@@ -21,12 +21,13 @@ V through the column-sum identity).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, fmha, fp8, int_flash, quant, sage
+from jaxattn import base, fmha, fp8, int_flash, nonfinite, quant, sage
 from pallas_kernels import quantizers
 
 
@@ -56,6 +57,10 @@ class QuantizedOperands:
     score_bound: float32 scalar, at least ``max |S|`` of the base-2 scores
       ``S q_scale k_scale (+ q_block_bias)``, from the scales (None: not
       known).
+    q_nonfinite: bool ``[B, T, N]``, the query rows that held a NaN/Inf
+      (quantized as 0; :mod:`jaxattn.nonfinite`), or None.
+    kv_nonfinite: bool ``[B, S, K]``, the keys whose key or value held
+      one, or None.
     qk: "int8", "int4" or "fp8"; pv: "int8", "fp8", "fp16" or "uint8".
     bias_rows: query rows per ``q_block_bias`` row.
     v_keys_ordered: V's keys are in the register-operand order.
@@ -71,6 +76,8 @@ class QuantizedOperands:
   out_scale: jax.Array | None = None
   out_shift: jax.Array | None = None
   score_bound: jax.Array | None = None
+  q_nonfinite: jax.Array | None = None
+  kv_nonfinite: jax.Array | None = None
   qk: str = dataclasses.field(default="int8", metadata=dict(static=True))
   pv: str = dataclasses.field(default="int8", metadata=dict(static=True))
   bias_rows: int | None = dataclasses.field(default=None,
@@ -285,27 +292,34 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
-  ``[B, S, K]``, and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
+  ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,
+  quantized as 0), and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
   None.
   """
   b, t, n, d = q.shape
   s, nk = k.shape[1], k.shape[2]
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
   q_lens = jnp.full((b,), t, jnp.int32)
+  rows_operand = functools.partial(quantizers.rows_operand,
+                                   flag_nonfinite=True)
   if method == "int8":
-    q8, q_scale, _ = quantizers.rows_operand(q, q_lens, group=1, dtype=jnp.int8)
-    k8, k_scale, _ = quantizers.rows_operand(k, kv_lens, group=1, dtype=jnp.int8)
-    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+    q8, q_scale, _, q_bad = rows_operand(q, q_lens, group=1, dtype=jnp.int8)
+    k8, k_scale, _, k_bad = rows_operand(k, kv_lens, group=1, dtype=jnp.int8)
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
+                k_bad=k_bad)
   if method == "fp8":
     if config.granularity != "block" or not _fits_rows_kernel(
         config.block_q, config.block_k):
       return None
     fp8 = jnp.float8_e4m3fn
-    q8, q_scale, _ = quantizers.rows_operand(q, q_lens, group=config.block_q, dtype=fp8,
-                                  block=max(128, config.block_q))
-    k8, k_scale, _ = quantizers.rows_operand(k, kv_lens, group=config.block_k, dtype=fp8,
-                                  block=max(128, config.block_k))
-    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale)
+    q8, q_scale, _, q_bad = rows_operand(
+        q, q_lens, group=config.block_q, dtype=fp8,
+        block=max(128, config.block_q))
+    k8, k_scale, _, k_bad = rows_operand(
+        k, kv_lens, group=config.block_k, dtype=fp8,
+        block=max(128, config.block_k))
+    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
+                k_bad=k_bad)
   if method != "sage":
     raise ValueError(f"no quantized kernel inputs for method {method!r}")
   bq = config.block_q
@@ -314,19 +328,21 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   if not _fits_rows_kernel(q_group, k_group, bq):
     return None
   f32 = jnp.float32
-  k_mean = _key_mean(k, kv_lens) if config.smooth_k else jnp.zeros(
-      (b, nk, d), f32)
+  # the means over finite values (XLA's reduction pass; the quantizer
+  # kernels count NaN/Inf as 0 in the same way)
+  k_mean = _key_mean(nonfinite.finite(k), kv_lens) if config.smooth_k else (
+      jnp.zeros((b, nk, d), f32))
   q_mean = bias_q = None
   if config.smooth_q:
-    q_mean, _ = _query_block_means(q, bq)             # [B, nqb, N, D]
+    q_mean, _ = _query_block_means(nonfinite.finite(q), bq)  # [B, nqb, N, D]
     nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
     bias_q = (q_mean * sage.log2_scale(scale)).reshape(
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
   bits = config.bits
-  q8, q_scale, _ = quantizers.rows_operand(
+  q8, q_scale, _, q_bad = rows_operand(
       q, q_lens, group=q_group, dtype=jnp.int8, bits=bits, shift=q_mean,
       block=bq if config.smooth_q else max(128, q_group))
-  k8, k_scale, bias = quantizers.rows_operand(
+  k8, k_scale, bias, k_bad = rows_operand(
       k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
       shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,
       block=max(128, k_group))
@@ -338,7 +354,8 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
     bias_bound = (jnp.abs(bias_q).sum(axis=-1).max() * quant.qmax(bits)
                   * jnp.abs(k_scale).max())
   return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
-              q_block_bias=bias, bias_bound=bias_bound)
+              q_block_bias=bias, bias_bound=bias_bound, q_bad=q_bad,
+              k_bad=k_bad)
 
 
 def sage_v_stats(v, kv_lens, config) -> dict:
@@ -397,39 +414,55 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
   s_len, nk = k.shape[1], k.shape[2]
   kv_shape = (b, nk, v.shape[-1])
   ones = lambda *shape: jnp.ones(shape, jnp.float32)
+  # NaN/Inf count as 0 (:mod:`jaxattn.nonfinite`): the Pallas quantizers
+  # read the raw inputs and flag the rows; the XLA statistics and
+  # quantizers read them through ``fin``, fused into their own passes.
+  fin = nonfinite.finite
+  flags = {}
 
   def v8(dtype, shift=None, inv_channel=None, inv_row=None):
     """The 8-bit V ``[B, K, D, S]`` in one pass."""
-    return quantizers.v_operand(
+    v_op, bad = quantizers.v_operand(
         v, kv_lens, dtype=dtype,
         shift=jnp.zeros(kv_shape, jnp.float32) if shift is None else shift,
         inv_channel=ones(*kv_shape) if inv_channel is None else inv_channel,
         inv_row=ones(b, nk, s_len) if inv_row is None else inv_row,
-        key_order=v_key_order)
+        key_order=v_key_order, flag_nonfinite=True)
+    flags["v"] = bad.transpose(0, 2, 1)
+    return v_op
 
   def per_row(per_group, group):  # [B, G, K] -> one per key [B, K, S]
     return _expand(per_group, group, s_len).transpose(0, 2, 1)
+
+  def with_flags(fused, **ops):
+    """The operands with the non-finite flags: from the kernels where they
+    read the input, else one XLA reduction."""
+    q_bad = nonfinite.row_flags(q) if fused is None else fused["q_bad"]
+    k_bad = nonfinite.row_flags(k) if fused is None else fused["k_bad"]
+    v_bad = flags["v"] if "v" in flags else nonfinite.row_flags(v)
+    return QuantizedOperands(q_nonfinite=q_bad, kv_nonfinite=k_bad | v_bad,
+                             **ops)
 
   fused = fused_qk(method, q, k, kv_lens, scale=scale, config=config)
   if method == "sage":
     fp8_pv = config.pv_dtype == "fp8"
     if fused is None:
-      z = sage_inputs(q, k, v, kv_lens, scale=scale, config=config,
-                      v_values=False)
+      z = sage_inputs(fin(q), fin(k), fin(v), kv_lens, scale=scale,
+                      config=config, v_values=False)
       q_block_bias = (z["smooth_bias"] * sage.log2_scale(scale)
                       if config.smooth_q else None)
     else:
       z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
                q_scale_folded=fused["q_scale"] * sage.log2_scale(scale),
-               **sage_v_stats(v, kv_lens, config))
+               **sage_v_stats(fin(v), kv_lens, config))
       q_block_bias = fused["q_block_bias"]
     q8, k8, qk = z["q"], z["k"], "int8"
     if config.qk_dtype == "int4" and pack_int4:
       q8, k8, qk = _pack_int4(q8), _pack_int4(k8), "int4"
     bias_bound = (jnp.abs(q_block_bias).max() if fused is None
                   else fused["bias_bound"]) if config.smooth_q else None
-    return QuantizedOperands(
-        q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
+    return with_flags(
+        fused, q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
         score_bound=_score_bound(z["q_scale_folded"], z["k_scale"],
                                  quant.qmax(config.bits), d, bias_bound),
         v=(v8(jnp.float8_e4m3fn, shift=z["v_mean"],
@@ -442,8 +475,8 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         bias_rows=config.block_q if config.smooth_q else None,
         v_keys_ordered=v_key_order and fp8_pv)
   if method == "int8":
-    z = int8_inputs(q, k, v, kv_lens, config=config, v_values=False,
-                    qk_values=fused is None)
+    z = int8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
+                    v_values=False, qk_values=fused is None)
     if fused is not None:
       z.update(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
                k_scale=fused["k_scale"])
@@ -452,22 +485,22 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
                   score_bound=_score_bound(q_scale, z["k_scale"], 127, d),
                   qk="int8", pv=config.pv_dtype)
     if config.pv_dtype == "fp16":
-      return QuantizedOperands(v=z["v"], **qk_ops)
+      return with_flags(fused, v=z["v"], **qk_ops)
     if config.v_granularity == "block":
-      return QuantizedOperands(
-          v=v8(jnp.int8, inv_row=per_row(quant.reciprocal(z["v_scale"]),
+      return with_flags(
+          fused, v=v8(jnp.int8, inv_row=per_row(quant.reciprocal(z["v_scale"]),
                                          config.block_k)),
           v_block_scale=z["v_scale"].transpose(0, 2, 1),
           v_keys_ordered=v_key_order, **qk_ops)
-    return QuantizedOperands(
-        v=v8(jnp.int8, inv_channel=_channels(quant.reciprocal(z["v_scale"]),
+    return with_flags(
+        fused, v=v8(jnp.int8, inv_channel=_channels(quant.reciprocal(z["v_scale"]),
                                              kv_shape)),
         out_scale=_channels(z["v_scale"], kv_shape),
         out_shift=jnp.zeros(kv_shape, jnp.float32),
         v_keys_ordered=v_key_order, **qk_ops)
   if method == "fp8":
-    z = fp8_inputs(q, k, v, kv_lens, config=config, v_values=False,
-                   qk_values=fused is None)
+    z = fp8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
+                   v_values=False, qk_values=fused is None)
     inv_v = quant.reciprocal(z["v_scale"])
     if config.granularity == "block":  # scales [B, groups, heads]
       v_op = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
@@ -486,8 +519,8 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       v_block_scale = None
       out_scale = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
     q_scale = q_scale * (scale * base.LOG2E)
-    return QuantizedOperands(
-        q=z["q"], q_scale=q_scale, k=z["k"], k_scale=k_scale, v=v_op,
+    return with_flags(
+        fused, q=z["q"], q_scale=q_scale, k=z["k"], k_scale=k_scale, v=v_op,
         v_block_scale=v_block_scale,
         score_bound=_score_bound(q_scale, k_scale, quant.FP8_MAX, d),
         out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),

@@ -7,7 +7,9 @@
 * :mod:`pallas_kernels.mosaic`: the warp-specialised Hopper kernel (Pallas
   Mosaic GPU) for 16-bit, int8 and fp8 QK/PV and PASA;
 * :mod:`pallas_kernels.quantizers`: one-pass quantizers that make the
-  quantized kernels' operands.
+  quantized kernels' operands;
+* :mod:`pallas_kernels.key_shift`: one-pass block-shifted float16 keys
+  (PASA's shifted keys).
 
 The kernels know no attention method and import nothing from ``jaxattn``:
 ``jaxattn.backends`` maps each method's configuration to their flags.

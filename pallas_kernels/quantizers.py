@@ -41,17 +41,23 @@ def key_order(n):
   return (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
 
 
-def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
-              block_s, key_order):
+def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
+              *bad_ref, block_s, key_order):
   """One ``[block_s, D]`` tile of V: ``y = (where(visible, v, 0) - shift) *
   inv_c * inv_r``, quantized and stored transposed ``[D, block_s]``; with
   ``key_order`` the keys of each 16-key chunk in the Mosaic kernel's
   register-operand order (key ``8h + 2t + l`` to position ``4t + 2h + l``,
-  :data:`KEY_PERMUTATION`)."""
+  :data:`KEY_PERMUTATION`).  With ``bad_ref``, non-finite elements count as
+  0 and ``bad_ref`` flags the keys that hold one."""
   j = pl.program_id(2)
   rows = j * block_s + jnp.arange(block_s)
   visible = (rows < len_ref[0])[:, None]
-  x = jnp.where(visible, v_ref[...].astype(jnp.float32), 0.0)
+  x = v_ref[...].astype(jnp.float32)
+  if bad_ref:
+    finite = jnp.isfinite(x)
+    bad_ref[0][...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
+    x = jnp.where(finite, x, 0.0)
+  x = jnp.where(visible, x, 0.0)
   y = jnp.where(visible, x - shift_ref[...][None, :], 0.0)
   y = y * inv_c_ref[...][None, :] * inv_r_ref[...][:, None]
   if o_ref.dtype == jnp.int8:
@@ -66,7 +72,7 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref, *,
 
 
 def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
-              key_order=False, block_s=128):
+              key_order=False, flag_nonfinite=False, block_s=128):
   """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
   D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
   127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
@@ -78,7 +84,11 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
   S]``.  One read of V and one write of its 8-bit copy: XLA would
   transpose the 8-bit result in a second pass.  ``key_order``: the keys in
   the Mosaic kernel's register-operand order (:func:`key_order`), ``S``
-  padded to a multiple of 16."""
+  padded to a multiple of 16.
+
+  ``flag_nonfinite``: NaN/Inf elements of ``v`` count as 0, and the second
+  result flags the keys that hold one (bool ``[B, K, S]``; else None).
+  Returns ``(v8, flags)``."""
   b, s, nk, v_dim = v.shape
   s_pad = common.round_up(s, block_s)
   d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
@@ -88,39 +98,53 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
                         for x in (shift, inv_channel))
   d = d_pad
   chan = pl.BlockSpec((None, None, d), lambda bi, h, j: (bi, h, 0))
-  out = pl.pallas_call(
+  per_key = pl.BlockSpec((None, None, block_s), lambda bi, h, j: (bi, h, j))
+  out_specs = [pl.BlockSpec((None, None, d, block_s),
+                            lambda bi, h, j: (bi, h, 0, j))]
+  out_shape = [jax.ShapeDtypeStruct((b, nk, d, s_pad), dtype)]
+  if flag_nonfinite:
+    out_specs.append(per_key)
+    out_shape.append(jax.ShapeDtypeStruct((b, nk, s_pad), jnp.float32))
+  outs = pl.pallas_call(
       functools.partial(_v_kernel, block_s=block_s, key_order=key_order),
       grid=(b, nk, s_pad // block_s),
       in_specs=[pl.BlockSpec((None, block_s, None, d),
                              lambda bi, h, j: (bi, j, h, 0)),
                 pl.BlockSpec((None, 1), lambda bi, h, j: (bi, 0)),
-                chan, chan,
-                pl.BlockSpec((None, None, block_s), lambda bi, h, j: (bi, h, j))],
-      out_specs=pl.BlockSpec((None, None, d, block_s),
-                             lambda bi, h, j: (bi, h, 0, j)),
-      out_shape=jax.ShapeDtypeStruct((b, nk, d, s_pad), dtype),
+                chan, chan, per_key],
+      out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
       interpret=common.interpret(), name="jaxattn_v_operand",
   )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
     shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
-  return out[:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
+  v8 = outs[0][:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
+  return v8, (outs[1][:, :, :s] > 0 if flag_nonfinite else None)
 
 
-def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk):
+def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
+                 flag_nonfinite):
   """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
   group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
   ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
   ``fl(clip(., -448, 448))``); with ``bias_chunk`` also ``q_m y^T`` in
   float32 (SageAttention2's ``dS = q_m K_smoothed^T``) for every query
-  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time."""
+  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time.  With
+  ``flag_nonfinite``, NaN/Inf elements count as 0 and the last output
+  flags the rows that hold one."""
   refs = list(refs)
   shift_ref = refs.pop(0) if shift else None
   qm_ref = refs.pop(0) if bias_chunk else None
+  bad_ref = refs.pop() if flag_nonfinite else None
   o_ref, scale_ref, *bias_ref = refs
   block = x_ref.shape[0]
   rows = pl.program_id(1) * block + jnp.arange(block)
   keep = (rows < len_ref[0])[:, None]
-  y = jnp.where(keep, x_ref[...].astype(jnp.float32), 0.0)
+  x = x_ref[...].astype(jnp.float32)
+  if flag_nonfinite:
+    finite = jnp.isfinite(x)
+    bad_ref[...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
+    x = jnp.where(finite, x, 0.0)
+  y = jnp.where(keep, x, 0.0)
   if shift:
     y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
   amax = jnp.abs(y).max(axis=1)
@@ -154,7 +178,8 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk):
 
 def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                  bias_q_mean=None, block: int = 128,
-                 num_warps: int | None = None, bias_chunk: int | None = None):
+                 num_warps: int | None = None, bias_chunk: int | None = None,
+                 flag_nonfinite: bool = False):
   """Q or K quantized per group of rows in one pass (a Pallas kernel).
 
   ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
@@ -179,8 +204,12 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   the kernel's knobs (8 warps and 64-row products were the fastest for the
   key pass with the bias on an H100).
 
+  ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
+  scales, the values and the bias), and the rows that hold one are
+  flagged.
+
   Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias or
-  None)``.
+  None, flags bool [B, L, H] or None)``.
   """
   b, n_rows, h, d = x.shape
   d_block = pl.next_power_of_2(d)
@@ -222,9 +251,13 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                                   lambda bi, j, hi: (bi, hi, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct((b, h, r_pad, rows_pad),
                                           jnp.float32))
+  if flag_nonfinite:
+    out_specs.append(out_specs[1])
+    out_shape.append(out_shape[1])
   outs = pl.pallas_call(
       functools.partial(_rows_kernel, group=group, qmax=qmax,
-                        shift=shift is not None, bias_chunk=bias_chunk),
+                        shift=shift is not None, bias_chunk=bias_chunk,
+                        flag_nonfinite=flag_nonfinite),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(
           num_warps=num_warps or (8 if bias_chunk else 4), num_stages=2),
@@ -232,4 +265,5 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   )(*args)
   bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
           else None)
-  return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias
+  flags = outs[-1][:, :n_rows] > 0 if flag_nonfinite else None
+  return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias, flags

@@ -103,7 +103,7 @@ def test_log_sum_exp(precision):
   q4, k4, v4 = q[None, :, None], k[None, :, None], v[None, :, None]
   scale = kw.pop("scale")
   if precision == "pasa":  # the kernel takes the shifted keys
-    k4, scale = pasa_ref.kernel_keys(k4, lens, scale=scale, config=config)
+    k4, scale, _ = pasa_ref.kernel_keys(k4, lens, scale=scale, config=config)
   _, lse = flash_kernel.flash_attention(
       q4, k4, v4, lens, scale=scale, precision=precision,
       params=triton_backend.flash_params(precision, 64, config), **kw)

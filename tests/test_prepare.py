@@ -179,13 +179,46 @@ def test_rows_operand_poisoned_tail_and_int4():
   scale."""
   x = jax.random.normal(jax.random.key(3), (1, 200, 2, 64), jnp.float32)
   x = x.at[:, 150:].set(jnp.nan)
-  x8, sc, _ = quantizers.rows_operand(x, jnp.array([150]), group=32,
-                                      dtype=jnp.int8, bits=4)
+  x8, sc, _, flags = quantizers.rows_operand(x, jnp.array([150]), group=32,
+                                             dtype=jnp.int8, bits=4)
+  assert flags is None
   x8, sc = np.asarray(x8), np.asarray(sc)
   assert not np.isnan(sc).any() and (x8[:, 150:] == 0).all()
   assert np.abs(x8).max() == 7
   assert (sc[:, 160:] == 0).all() and (sc[:, 128:160] > 0).all()  # groups
   assert len(np.unique(sc[0, :32, 0])) == 1 and sc[0, 0, 0] != sc[0, 32, 0]
+
+
+def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows():
+  """``flag_nonfinite``: a NaN/Inf element quantizes (scales, values, the
+  smoothing bias) exactly as a 0 would, and only its row is flagged, in Q/K
+  (:func:`quantizers.rows_operand`) and V (``v_operand``)."""
+  x = jax.random.normal(jax.random.key(4), (1, 200, 2, 64), jnp.float32)
+  bad = x.at[0, 37, 1, 5].set(jnp.inf).at[0, 120, 0, 0].set(jnp.nan)
+  zero = x.at[0, 37, 1, 5].set(0.0).at[0, 120, 0, 0].set(0.0)
+  shift = jnp.full((1, 1, 2, 64), 0.25, jnp.float32)
+  qm = jax.random.normal(jax.random.key(5), (1, 2, 16, 64), jnp.float32)
+  want = np.zeros((1, 200, 2), bool)
+  want[0, 37, 1] = want[0, 120, 0] = True
+  kw = dict(group=32, dtype=jnp.int8, shift=shift, bias_q_mean=qm)
+  got = quantizers.rows_operand(bad, jnp.array([180]), flag_nonfinite=True,
+                                **kw)
+  ref = quantizers.rows_operand(zero, jnp.array([180]), **kw)
+  for g, r in zip(got[:3], ref[:3]):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  np.testing.assert_array_equal(np.asarray(got[3]), want)
+  ones = jnp.ones((1, 2, 64), jnp.float32)
+  vkw = dict(shift=ones * 0.5, inv_channel=ones * 3.0,
+             inv_row=jnp.ones((1, 2, 200), jnp.float32),
+             dtype=jnp.float8_e4m3fn)
+  v8, flags = quantizers.v_operand(bad, jnp.array([180]),
+                                   flag_nonfinite=True, **vkw)
+  v8_ref, none = quantizers.v_operand(zero, jnp.array([180]), **vkw)
+  assert none is None
+  np.testing.assert_array_equal(np.asarray(v8, np.float32),
+                                np.asarray(v8_ref, np.float32))
+  np.testing.assert_array_equal(np.asarray(flags),
+                                want.transpose(0, 2, 1))
 
 
 def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():

@@ -20,6 +20,8 @@ from typing import Any, Callable
 
 import jax
 
+from jaxattn import nonfinite
+
 
 @dataclasses.dataclass(frozen=True)
 class Call:
@@ -49,6 +51,11 @@ class Adapter:
   NotImplementedError with the reason when the backend cannot run the call
   as asked, including any option it cannot honour.
 
+  ``confines_nonfinite``: ``run`` itself confines NaN/Inf inputs to the
+  rows they reach (:mod:`jaxattn.nonfinite`), from flags its kernels
+  return; otherwise the API wraps ``run`` in :func:`jaxattn.nonfinite.
+  confined` for the methods that need it.
+
   Quantized adapters also expose their two stages, ``prepare(q, k, v,
   kv_lens, *, scale, config)`` -> :class:`jaxattn.operands.QuantizedOperands`
   and ``kernel(operands, kv_lens, bias, mask, *, is_causal, config,
@@ -58,16 +65,22 @@ class Adapter:
   check: Callable[[Call], None] = _accepts
   prepare: Callable[..., Any] | None = None
   kernel: Callable[..., Any] | None = None
+  confines_nonfinite: bool = False
 
 
 def two_stage(prepare, kernel, check=_accepts) -> Adapter:
-  """An adapter that quantizes (``prepare``) and then runs ``kernel`` on the
-  operands, returning the query dtype."""
+  """An adapter that quantizes (``prepare``, which flags the rows holding
+  NaN/Inf) and then runs ``kernel`` on the operands, returning the query
+  dtype with NaN in the rows a non-finite input reaches."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
     ops = prepare(q, k, v, kv_lens, scale=scale, config=config)
-    return kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
-                  config=config, out_dtype=q.dtype)
-  return Adapter(run=run, check=check, prepare=prepare, kernel=kernel)
+    out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
+                 config=config, out_dtype=q.dtype)
+    return nonfinite.poison(out, nonfinite.rows_reached(
+        ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
+        is_causal=is_causal, q_shape=q.shape))
+  return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
+                 confines_nonfinite=True)
 
 
 def refuse_options(config, names, why: str) -> None:

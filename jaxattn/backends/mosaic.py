@@ -23,7 +23,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import base, operands, pasa
+from jaxattn import base, nonfinite, operands, pasa
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -121,12 +121,18 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   its softmax in the kernel (``S'``, ``P`` float16, the state in
   ``config.state_dtype``); float16 output."""
   del bias, mask
-  k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
+  k_shifted, inva, bad_k = pasa.kernel_keys(k, kv_lens, scale=scale,
+                                            config=config)
+  bad_v = nonfinite.row_flags(v)
+  bad_kv = bad_k | bad_v
   f16 = jnp.float16
-  return mosaic.mosaic_attention(
-      q.astype(f16), k_shifted, v.astype(f16), kv_lens, qk="fp16", pv="fp16",
-      is_causal=is_causal, params=mosaic.MosaicParams(block_k=config.block_k),
-      pasa_inva=inva, pasa_state_dtype=config.state_dtype, out_dtype=f16)
+  out = mosaic.mosaic_attention(
+      q.astype(f16), k_shifted, nonfinite.finite_if(bad_v, v.astype(f16)),
+      kv_lens, qk="fp16", pv="fp16", is_causal=is_causal,
+      params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=inva,
+      pasa_state_dtype=config.state_dtype, out_dtype=f16)
+  return nonfinite.poison(out, nonfinite.rows_reached(
+      None, bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape))
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):
@@ -157,7 +163,7 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
 
 ADAPTERS = {
     "fp32": Adapter(run=_fp32, check=_check_fp32),
-    "pasa": Adapter(run=_pasa, check=_check_pasa),
+    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,

@@ -23,9 +23,9 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxattn import fmha, operands, pasa
+from jaxattn import fmha, nonfinite, operands, pasa
 from jaxattn.backends import Adapter, Call, two_stage
-from pallas_kernels import common, flash, quantized
+from pallas_kernels import common, flash, key_shift, quantized
 
 NAME = "triton"
 TITLE = "Triton"
@@ -75,14 +75,28 @@ def _check_pasa(call: Call) -> None:
     raise NotImplementedError(
         f"PASA compute_dtype={call.config.compute_dtype}: the kernels "
         "compute in float16; use implementation='reference'")
+  if call.config.block_k not in key_shift.BLOCK_KS:
+    raise NotImplementedError(
+        f"PASA block_k={call.config.block_k}: the key-shift kernel takes "
+        f"blocks of {', '.join(map(str, key_shift.BLOCK_KS))} keys; use "
+        "implementation='reference'")
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  k_shifted, inva = pasa.kernel_keys(k, kv_lens, scale=scale, config=config)
-  return flash.flash_attention(
-      q, k_shifted, v, kv_lens, bias, mask, scale=inva, is_causal=is_causal,
-      precision="pasa", params=flash_params("pasa", q.shape[-1], config),
+  """The keys shifted (NaN/Inf keys flagged) in one pass, V's flags by a
+  reduction (copied without NaN/Inf only when it holds one); a non-finite
+  query poisons its own row in the kernel."""
+  k_shifted, inva, bad_k = pasa.kernel_keys(k, kv_lens, scale=scale,
+                                            config=config)
+  bad_v = nonfinite.row_flags(v)
+  bad_kv = bad_k | bad_v
+  out = flash.flash_attention(
+      q, k_shifted, nonfinite.finite_if(bad_v, v), kv_lens, bias, mask,
+      scale=inva, is_causal=is_causal, precision="pasa",
+      params=flash_params("pasa", q.shape[-1], config),
       state_dtype=config.state_dtype)
+  return nonfinite.poison(out, nonfinite.rows_reached(
+      None, bad_kv, mask, kv_lens, is_causal=is_causal, q_shape=q.shape))
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):
@@ -121,7 +135,7 @@ ADAPTERS = {
     "fp32": _flash("fp32"),
     "fp16_fp32": _flash("fp16_fp32"),
     "fp16": _flash("fp16"),
-    "pasa": Adapter(run=_pasa, check=_check_pasa),
+    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
     "fmha_int8": Adapter(run=_fmha),

@@ -1,0 +1,91 @@
+"""Non-finite inputs confined to the rows they reach.
+
+The methods that take statistics across rows or keys (quantization scales,
+smoothing means, PASA's key-block shift) would let one NaN/Inf reach rows
+that float32 attention keeps finite, and their quantizers would turn it
+into a finite, wrong number.  They run as if every non-finite element were
+0 and then set NaN in exactly the rows it reaches (:func:`rows_reached`).
+
+The fast paths do both inside the kernels that already read each operand
+(:func:`pallas_kernels.quantizers.rows_operand`, ``v_operand``,
+:func:`pallas_kernels.key_shift.shifted_key_blocks`, ``flag_nonfinite``),
+which return per-row flags; :func:`confined` does the same for any
+backend function with one pass of XLA over the inputs.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def finite(x):
+  """``x`` with NaN/Inf elements set to 0."""
+  return jnp.where(jnp.isfinite(x), x, jnp.zeros_like(x))
+
+
+def finite_if(flags, x):
+  """:func:`finite` of ``x`` when any of ``flags`` is set, else ``x``
+  itself: the copy is made only for inputs that hold a NaN/Inf."""
+  return jax.lax.cond(flags.any(), finite, lambda y: y, x)
+
+
+def row_flags(x):
+  """Bool ``[B, L, H]``: the rows of ``x`` ``[B, L, H, D]`` holding a
+  NaN/Inf."""
+  return ~jnp.isfinite(x).all(axis=-1)
+
+
+def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape):
+  """Bool ``[B, T, N]`` (``q_shape``): the rows a non-finite input
+  reaches, as in float32 attention.  A row is reached when its query has a
+  NaN/Inf (``bad_q`` ``[B, T, N]``, or None) and it sees a key, or when it
+  sees a key whose key or value vector has one (``bad_kv`` ``[B, S, K]``).
+  ``kv_lens``, causality and ``mask`` ``[B, N, T, S]`` decide what a row
+  sees.  (Float32 attention also ignores an infinite key in the rows where
+  its score is ``-inf``; here every row that sees it is reached.)"""
+  b, t, n = q_shape[:3]
+  s, nk = bad_kv.shape[1], bad_kv.shape[2]
+  bad_key = jnp.repeat(bad_kv, n // nk, axis=2)                # [B, S, N]
+  cols = jnp.arange(s)
+  seen = cols[None, :] < kv_lens[:, None]                      # [B, S]
+  if mask is None:
+    sees_any = (kv_lens > 0)[:, None, None]    # causal rows all see key 0
+    if is_causal:   # row i sees keys j <= i: reached from the first bad key
+      first = jnp.where(bad_key & seen[..., None], cols[None, :, None],
+                        s).min(axis=1)                         # [B, N]
+      reached = ((jnp.arange(t)[None, :, None] >= first[:, None, :])
+                 & (first < s)[:, None, :])
+    else:
+      reached = (bad_key & seen[..., None]).any(axis=1)[:, None, :]
+  else:
+    vis = mask & seen[:, None, None, :]                        # [B, N, T, S]
+    if is_causal:
+      vis = vis & (cols[None, :] <= jnp.arange(t)[:, None])
+    reached = (vis & jnp.transpose(bad_key, (0, 2, 1))[:, :, None, :]).any(-1)
+    reached = jnp.transpose(reached, (0, 2, 1))
+    sees_any = jnp.transpose(vis.any(-1), (0, 2, 1))
+  reached = jnp.broadcast_to(reached, (b, t, n))
+  if bad_q is None:
+    return reached
+  return (bad_q & sees_any) | reached
+
+
+def poison(out, rows):
+  """NaN in the output ``rows`` (``[B, T, N]``).  An int8 output (a tuple:
+  one scale for the tensor) gets a NaN scale when any row is reached."""
+  if isinstance(out, tuple):
+    return (out[0], jnp.where(rows.any(), jnp.nan, out[1]), *out[2:])
+  return jnp.where(rows[..., None], jnp.nan, out)
+
+
+def confined(run, q, k, v, bias, mask, kv_lens, *, is_causal, **kwargs):
+  """``run(q, k, v, bias, mask, kv_lens, is_causal=..., **kwargs)`` on the
+  inputs with NaN/Inf set to 0, NaN in the rows they reach: one XLA pass
+  over Q, K and V (the backends whose kernels flag non-finite rows
+  themselves need none)."""
+  bad_q = row_flags(q)
+  bad_kv = row_flags(k) | row_flags(v)
+  out = run(finite(q), finite(k), finite(v), bias, mask, kv_lens,
+            is_causal=is_causal, **kwargs)
+  return poison(out, rows_reached(bad_q, bad_kv, mask, kv_lens,
+                                  is_causal=is_causal, q_shape=q.shape))
