@@ -10,9 +10,14 @@ values:
   except at +-65504 exactly, where scores tie exactly and float32 sums
   break the ties by their order (a kernel and the reference then pick
   different keys, both right to float32);
-* where the inputs are well conditioned (subnormal Q, K; extreme V) the
-  error against float32 is within the method's budget (test_fuzz's
-  ERROR_BUDGET, the README's table).
+* with subnormal Q, K (uniform attention over normal V) the error against
+  float32 is within the method's budget (test_fuzz's ERROR_BUDGET, the
+  README's table);
+* with V at +-65504 the error against float32 is the error of the same
+  call with V at +-1: attention is linear in V, and the extreme values
+  cost nothing.  (Two-valued V is hard for SageAttention2's smoothed fp8
+  V at long sequences whatever its scale: its reference measures 0.22 at
+  1000 keys, against 3.9e-2 on normal V; the README's limits.)
 """
 import numpy as np
 import pytest
@@ -67,6 +72,19 @@ def test_gpu_kernels_at_float16_extremes(case):
   check(case, GPU_SHAPE)
 
 
+def _unit_v_error(q, k, v, method, impl):
+  """The error against float32 of the call with V / 65504 (V = +-1)."""
+  v1 = (v.astype(jnp.float32) / F16_MAX).astype(jnp.float16)
+  f32 = lambda x: x.astype(jnp.float32)
+  ref = jaxattn.dot_product_attention(f32(q), f32(k), f32(v1),
+                                      implementation="reference")
+  out = jaxattn.dot_product_attention(q, k, v1, method=method,
+                                      implementation=impl)
+  out = out[0] if isinstance(out, tuple) else out
+  return metrics.relative_rmse(np.asarray(out, np.float64),
+                               np.asarray(ref, np.float64))
+
+
 def check(case, shape):
   q, k, v = _inputs(case, shape)
   f32 = lambda x: x.astype(jnp.float32)
@@ -103,8 +121,12 @@ def check(case, shape):
         err = metrics.relative_rmse(out, ref)
         tol = max(KERNEL_TOL[method], OUTPUT_ROUNDING["float16"])
         assert err < tol, (label, err)
-      if case in ("subnormal", "v_max") and not _by_design(method, case):
+      if case == "subnormal" and not _by_design(method, case):
         err = metrics.relative_rmse(out, ref32)
         assert err < ERROR_BUDGET[method], (label, err)
+      if case == "v_max" and not _by_design(method, case):
+        err = metrics.relative_rmse(out, ref32)
+        unit = _unit_v_error(q, k, v, method, impl)
+        assert abs(err - unit) <= 0.05 * unit + 1e-4, (label, err, unit)
       checked += 1
   assert checked >= 18, checked
