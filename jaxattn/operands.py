@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import base, fmha, fp8, int_flash, nonfinite, quant, sage
-from pallas_kernels import quantizers
+from pallas_kernels import key_shift, quantizers
 
 
 @jax.tree_util.register_dataclass
@@ -418,7 +418,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
   # read the raw inputs and flag the rows; the XLA statistics and
   # quantizers read them through ``fin``, fused into their own passes.
   fin = nonfinite.finite
-  flags = {}
+  v_flags = {}     # set by v8: the 8-bit V kernel flags V's keys
 
   def v8(dtype, shift=None, inv_channel=None, inv_row=None):
     """The 8-bit V ``[B, K, D, S]`` in one pass."""
@@ -428,7 +428,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         inv_channel=ones(*kv_shape) if inv_channel is None else inv_channel,
         inv_row=ones(b, nk, s_len) if inv_row is None else inv_row,
         key_order=v_key_order, flag_nonfinite=True)
-    flags["v"] = bad.transpose(0, 2, 1)
+    v_flags["kernel"] = bad.transpose(0, 2, 1)
     return v_op
 
   def per_row(per_group, group):  # [B, G, K] -> one per key [B, K, S]
@@ -439,7 +439,9 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     read the input, else one XLA reduction."""
     q_bad = nonfinite.row_flags(q) if fused is None else fused["q_bad"]
     k_bad = nonfinite.row_flags(k) if fused is None else fused["k_bad"]
-    v_bad = flags["v"] if "v" in flags else nonfinite.row_flags(v)
+    v_bad = v_flags.get("kernel")
+    if v_bad is None:          # V went through XLA (float16 PV)
+      v_bad = nonfinite.row_flags(v)
     return QuantizedOperands(q_nonfinite=q_bad, kv_nonfinite=k_bad | v_bad,
                              **ops)
 
@@ -487,14 +489,14 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     if config.pv_dtype == "fp16":
       return with_flags(fused, v=z["v"], **qk_ops)
     if config.v_granularity == "block":
+      inv_row = per_row(quant.reciprocal(z["v_scale"]), config.block_k)
       return with_flags(
-          fused, v=v8(jnp.int8, inv_row=per_row(quant.reciprocal(z["v_scale"]),
-                                         config.block_k)),
+          fused, v=v8(jnp.int8, inv_row=inv_row),
           v_block_scale=z["v_scale"].transpose(0, 2, 1),
           v_keys_ordered=v_key_order, **qk_ops)
+    inv_channel = _channels(quant.reciprocal(z["v_scale"]), kv_shape)
     return with_flags(
-        fused, v=v8(jnp.int8, inv_channel=_channels(quant.reciprocal(z["v_scale"]),
-                                             kv_shape)),
+        fused, v=v8(jnp.int8, inv_channel=inv_channel),
         out_scale=_channels(z["v_scale"], kv_shape),
         out_shift=jnp.zeros(kv_shape, jnp.float32),
         v_keys_ordered=v_key_order, **qk_ops)
@@ -526,6 +528,33 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),
         qk="fp8", pv="fp8", v_keys_ordered=v_key_order)
   raise ValueError(f"no quantized operands for method {method!r}")
+
+
+def pasa_operands(k, v, kv_lens, *, scale: float, config):
+  """The PASA kernels' operands: :func:`jaxattn.pasa.shift_keys` of every
+  head in one kernel (:func:`pallas_kernels.key_shift.shifted_key_blocks`;
+  the same values but for a rare one-ulp move where float32 accumulation
+  order differs), with NaN/Inf keys counted as 0, and V copied without
+  NaN/Inf only when it holds one (:mod:`jaxattn.nonfinite`).
+
+  Args: k, v ``[B, S, K, D]``; kv_lens int32 ``[B]``; config a
+  :class:`jaxattn.pasa.PasaConfig` with float16 ``compute_dtype``.
+  Returns: the float16 shifted, scaled keys ``[B, S_pad, K, D]`` (``S_pad``
+  a whole number of ``config.block_k`` blocks), V, the kernels' constant
+  ``fl16(beta / (1 - beta))`` as a Python float, and bool ``[B, S, K]``:
+  the keys whose key or value held a NaN/Inf.
+  """
+  if jnp.dtype(config.compute_dtype) != jnp.float16:
+    raise ValueError("the PASA kernels compute in float16; use "
+                     "implementation='reference' for compute_dtype="
+                     f"{config.compute_dtype}")
+  beta = config.resolved_beta
+  k_shifted, bad_k = key_shift.shifted_key_blocks(
+      k, kv_lens, beta=beta, scale=scale, block_k=config.block_k,
+      rounding=config.key_rounding, flag_nonfinite=True)
+  bad_v = nonfinite.row_flags(v)
+  return (k_shifted, nonfinite.finite_if(bad_v, v),
+          float(np.float16(beta / (1.0 - beta))), bad_k | bad_v)
 
 
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):

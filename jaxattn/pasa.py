@@ -68,7 +68,6 @@ import ml_dtypes  # noqa: F401  (registers float16/bfloat16 rounding in numpy)
 import numpy as np
 
 from jaxattn import base
-from pallas_kernels import key_shift
 
 DEFAULT_BETA0 = 1.0 - 2.0**-6
 KEY_ROUNDINGS = ("sum_preserving", "nearest")
@@ -246,29 +245,6 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
   return (shifted.astype(cd) * jnp.asarray(scale, cd)).astype(cd)
 
 
-def kernel_keys(k, kv_lens, *, scale: float, config: "PasaConfig"):
-  """The GPU kernels' PASA inputs: :func:`shift_keys` of every head, in one
-  kernel (:func:`pallas_kernels.key_shift.shifted_key_blocks`; the same
-  values but for a rare one-ulp move where float32 accumulation order
-  differs).  NaN/Inf keys count as 0 (:mod:`jaxattn.nonfinite`).
-
-  Args: k ``[B, S, K, D]``; kv_lens int32 ``[B]``.
-  Returns: the float16 shifted, scaled keys ``[B, S_pad, K, D]`` (``S_pad``
-  a whole number of ``config.block_k`` blocks), the kernel's constant
-  ``fl16(beta / (1 - beta))`` as a Python float, and bool ``[B, S, K]``:
-  the keys that held a NaN/Inf.
-  """
-  if jnp.dtype(config.compute_dtype) != jnp.float16:
-    raise ValueError("the PASA kernels compute in float16; use "
-                     "implementation='reference' for compute_dtype="
-                     f"{config.compute_dtype}")
-  beta = config.resolved_beta
-  k, bad = key_shift.shifted_key_blocks(
-      k, kv_lens, beta=beta, scale=scale, block_k=config.block_k,
-      rounding=config.key_rounding, flag_nonfinite=True)
-  return k, float(np.float16(beta / (1.0 - beta))), bad
-
-
 def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
               shared=None, return_lse=False):
   """One head of PASA (see the module docstring for the equations).
@@ -348,4 +324,4 @@ reference = base.vmap_heads(pasa_head)
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "shift_keys",
-           "kernel_keys", "pasa_head", "reference"]
+           "pasa_head", "reference"]

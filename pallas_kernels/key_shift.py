@@ -43,7 +43,8 @@ ROUNDINGS = ("nearest", "sum_preserving")
 # for 2 x 8192 x 32 heads x 128 on an H100, 32 columns 0.92 ms.  Rounding
 # to nearest takes whole rows (0.13 ms; 0.25 ms in 32-column tiles).
 SUM_PRESERVING_COLUMNS = 32
-BLOCK_KS = (16, 32, 64, 128)    # the [block_k, block_k] shift matrix in registers
+# the [block_k, block_k] shift matrix lives in registers
+BLOCK_KS = (16, 32, 64, 128)
 
 
 def _f16_neighbour(r, down):

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import metrics
+from jaxattn import metrics, operands
 from jaxattn import flash as flash_ref
 from jaxattn import pasa as pasa_ref
 from jaxattn.backends import triton as triton_backend
@@ -103,7 +103,8 @@ def test_log_sum_exp(precision):
   q4, k4, v4 = q[None, :, None], k[None, :, None], v[None, :, None]
   scale = kw.pop("scale")
   if precision == "pasa":  # the kernel takes the shifted keys
-    k4, scale, _ = pasa_ref.kernel_keys(k4, lens, scale=scale, config=config)
+    k4, v4, scale, _ = operands.pasa_operands(k4, v4, lens, scale=scale,
+                                              config=config)
   _, lse = flash_kernel.flash_attention(
       q4, k4, v4, lens, scale=scale, precision=precision,
       params=triton_backend.flash_params(precision, 64, config), **kw)

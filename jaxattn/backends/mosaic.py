@@ -6,7 +6,7 @@ H100/H200, or Mosaic GPU's interpreter without a GPU.
 method     kernel flags            operands
 =========  ======================  ========================================
 "fp32"     ``qk = pv = "fp16"``    the float16/bfloat16 inputs
-"pasa"     ``pasa_inva``           shifted keys (:func:`jaxattn.pasa.kernel_keys`)
+"pasa"     ``pasa_inva``           shifted keys (:func:`jaxattn.operands.pasa_operands`)
 "sage"     ``qk="int8"``, ``pv``   :func:`jaxattn.operands.quantized_operands`
 "int8"     ``qk="int8"``, ``pv``   same
 "fp8"      ``qk = pv = "fp8"``     same
@@ -23,7 +23,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import base, nonfinite, operands, pasa
+from jaxattn import base, nonfinite, operands
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -121,14 +121,12 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   its softmax in the kernel (``S'``, ``P`` float16, the state in
   ``config.state_dtype``); float16 output."""
   del bias, mask
-  k_shifted, inva, bad_k = pasa.kernel_keys(k, kv_lens, scale=scale,
-                                            config=config)
-  bad_v = nonfinite.row_flags(v)
-  bad_kv = bad_k | bad_v
   f16 = jnp.float16
+  k_shifted, v, inva, bad_kv = operands.pasa_operands(
+      k, v.astype(f16), kv_lens, scale=scale, config=config)
   out = mosaic.mosaic_attention(
-      q.astype(f16), k_shifted, nonfinite.finite_if(bad_v, v.astype(f16)),
-      kv_lens, qk="fp16", pv="fp16", is_causal=is_causal,
+      q.astype(f16), k_shifted, v, kv_lens, qk="fp16", pv="fp16",
+      is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=inva,
       pasa_state_dtype=config.state_dtype, out_dtype=f16)
   return nonfinite.poison(out, nonfinite.rows_reached(

@@ -8,7 +8,7 @@ method         kernel                                       operands
 "fp16_fp32"    same, ``precision="fp16_fp32"``               float16 inputs
 "fp16"         same, ``precision="fp16"``                    float16 inputs
 "pasa"         same, ``precision="pasa"``                    shifted keys
-                                                             (:func:`jaxattn.pasa.kernel_keys`)
+                                                             (:func:`jaxattn.operands.pasa_operands`)
 "sage"         :func:`pallas_kernels.quantized.quantized_attention`  :func:`jaxattn.operands.quantized_operands`
 "int8"         same                                         same
 "fmha_int8"    same, ``pv="uint8"``                          :func:`jaxattn.operands.fmha_operands`
@@ -23,7 +23,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxattn import fmha, nonfinite, operands, pasa
+from jaxattn import fmha, nonfinite, operands
 from jaxattn.backends import Adapter, Call, two_stage
 from pallas_kernels import common, flash, key_shift, quantized
 
@@ -83,16 +83,13 @@ def _check_pasa(call: Call) -> None:
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
-  """The keys shifted (NaN/Inf keys flagged) in one pass, V's flags by a
-  reduction (copied without NaN/Inf only when it holds one); a non-finite
-  query poisons its own row in the kernel."""
-  k_shifted, inva, bad_k = pasa.kernel_keys(k, kv_lens, scale=scale,
-                                            config=config)
-  bad_v = nonfinite.row_flags(v)
-  bad_kv = bad_k | bad_v
+  """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
+  kernel; a non-finite query poisons its own row there."""
+  k_shifted, v, inva, bad_kv = operands.pasa_operands(
+      k, v, kv_lens, scale=scale, config=config)
   out = flash.flash_attention(
-      q, k_shifted, nonfinite.finite_if(bad_v, v), kv_lens, bias, mask,
-      scale=inva, is_causal=is_causal, precision="pasa",
+      q, k_shifted, v, kv_lens, bias, mask, scale=inva,
+      is_causal=is_causal, precision="pasa",
       params=flash_params("pasa", q.shape[-1], config),
       state_dtype=config.state_dtype)
   return nonfinite.poison(out, nonfinite.rows_reached(
