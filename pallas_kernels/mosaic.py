@@ -327,6 +327,11 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           # The running max in the units of s: s - m is exact for the
           # scores near the max (Sterbenz), so a tie gets exactly P = 1
           # however large the scores are, and the factor c comes after.
+          # Mosaic GPU allows FMA contraction: without the barrier,
+          # s = S_i32 * k_scale fuses into s - m, the max score's exponent
+          # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
+          # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
+          s = lax.optimization_barrier(s)
           m_new = jnp.maximum(m_i, s.max(axis=1))
           e = s - lax.broadcast_in_dim(m_new, s.shape, [0])
           if not isinstance(c, float):   # a row of factors
