@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, methods, nonfinite
+from jaxattn import base, grad, methods, nonfinite
 from jaxattn.backends import Call
 from jaxattn.backends import mosaic, reference, triton
 
@@ -153,25 +153,78 @@ def select_backend(implementation: str | None, call: Call) -> str:
   return implementation
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "method", "implementation", "scale", "is_causal", "config"))
-def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
-               is_causal, config):
-  adapter = BACKENDS[implementation].ADAPTERS[method]
+def _forward(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
+             is_causal, config, with_lse):
+  """The method's output in the query dtype, and with ``with_lse`` the
+  float32 log-sum-exp ``[B, T, N]`` (:mod:`jaxattn.grad`: the kernel's own
+  where it has one, else that of the float32 scores)."""
+  backend = BACKENDS[implementation]
+  adapter = backend.ADAPTERS[method]
+  static = dict(scale=scale, is_causal=is_causal, config=config)
+  if with_lse and adapter.run_lse is not None:
+    out, lse = adapter.run_lse(q, k, v, bias, mask, kv_lens, **static)
+    return out.astype(q.dtype), grad.as_residual(lse.transpose(0, 2, 1))
   run = adapter.run
   if methods.get(method).confine_nonfinite and not adapter.confines_nonfinite:
     run = functools.partial(nonfinite.confined, adapter.run)
-  out = run(q, k, v, bias, mask, kv_lens, scale=scale, is_causal=is_causal,
-            config=config)
+  out = run(q, k, v, bias, mask, kv_lens, **static)
   if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
-    return out
-  return out.astype(q.dtype)
+    return out, None
+  if not with_lse:
+    return out.astype(q.dtype), None
+  if triton.native():
+    lse = grad.as_residual(triton.logsumexp(
+        q, k, bias, mask, kv_lens, scale=scale,
+        is_causal=is_causal).transpose(0, 2, 1))
+  else:
+    lse = grad.logsumexp(q, k, bias, mask, kv_lens, scale=scale,
+                         is_causal=is_causal)
+  return out.astype(q.dtype), lse
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "method", "implementation", "scale", "is_causal", "config",
+    "return_residual"))
+def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
+               is_causal, config, return_residual=False):
+  """The method's forward, with the straight-through backward of
+  :mod:`jaxattn.grad` as its VJP (cuDNN's where it takes the call)."""
+  static = dict(method=method, implementation=implementation, scale=scale,
+                is_causal=is_causal, config=config)
+  if getattr(config, "return_int8", False):   # an int8 output: no gradient
+    return _forward(q, k, v, bias, mask, kv_lens, with_lse=False, **static)[0]
+  on_gpu = triton.native()
+  path = grad.backward_path(q.dtype, q.shape[-1], bias is not None,
+                            mask is not None, on_gpu)
+
+  @jax.custom_vjp
+  def attend(q, k, v, bias, mask, kv_lens):
+    out, lse = _forward(q, k, v, bias, mask, kv_lens,
+                        with_lse=return_residual, **static)
+    return (out, lse) if return_residual else out
+
+  def attend_fwd(q, k, v, bias, mask, kv_lens):
+    out, lse = _forward(q, k, v, bias, mask, kv_lens,
+                        with_lse=return_residual or path == "xla", **static)
+    primal = (out, lse) if return_residual else out
+    return primal, (q, k, v, bias, mask, kv_lens, lse)
+
+  def attend_bwd(res, cotangent):
+    q, k, v, bias, mask, kv_lens, lse = res
+    dout = cotangent[0] if return_residual else cotangent  # lse: no gradient
+    return (*grad.attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout,
+                                scale=scale, is_causal=is_causal,
+                                on_gpu=on_gpu), None, None)
+
+  attend.defvjp(attend_fwd, attend_bwd)
+  return attend(q, k, v, bias, mask, kv_lens)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           scale: float | None = None, is_causal: bool = False,
                           key_value_seq_lengths=None, method: str = "fp32",
                           implementation: str | None = None,
+                          return_residual: bool = False,
                           **options: Any):
   """Scaled dot-product attention, a drop-in for
   ``jax.nn.dot_product_attention`` with a choice of low-precision ``method``.
@@ -197,8 +250,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       GPU).  "pallas" is the deprecated name of "triton".  A named
       implementation that cannot run the call raises NotImplementedError
       with the reason.
+    return_residual: also return the log-sum-exp of each query row's
+      scores, float32 ``[B, T, N]`` (natural log; jax.nn's value
+      ``-0.7 * float32 max`` for a row that sees no key), as
+      ``(output, lse)``.  It is the kernel's own where the kernel computes
+      it (the Triton "fp32", "fp16_fp32", "fp16" and "pasa" kernels), else
+      that of the float32 scores (one more forward pass).
     **options: the method's options (its configuration dataclass fields);
       unknown ones raise ``TypeError``.
+
+  Differentiable: the gradient is the exact gradient of attention at the
+  inputs (straight through the quantization), from cuDNN's backward on a GPU
+  where it takes the call, else from :func:`jaxattn.grad.xla_vjp`.
 
   Returns:
     ``[B, T, N, H]`` in the query dtype.  Rows that see no key are zero;
@@ -214,9 +277,13 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
   out = _attention(query, key, value, bias, mask, kv_lens, method=method,
                    implementation=impl, scale=scale,
-                   is_causal=bool(is_causal), config=config)
+                   is_causal=bool(is_causal), config=config,
+                   return_residual=bool(return_residual))
   if unbatched:  # drop the batch axis again (not from a scalar scale)
-    out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
+    if return_residual:
+      out = (out[0][0], out[1][0])
+    else:
+      out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
   return out
 
 
@@ -260,11 +327,12 @@ def resolve_implementation(query, key, value, bias=None, mask=None, *,
 def _named(method: str, doc: str):
   def fn(query, key, value, bias=None, mask=None, *, scale=None,
          is_causal=False, key_value_seq_lengths=None, implementation=None,
-         **options):
+         return_residual=False, **options):
     return dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
         key_value_seq_lengths=key_value_seq_lengths, method=method,
-        implementation=implementation, **options)
+        implementation=implementation, return_residual=return_residual,
+        **options)
   fn.__name__ = f"{method}_attention"
   fn.__doc__ = (f"{doc}\n\n``dot_product_attention(..., method={method!r})``; "
                 "same signature and options.")

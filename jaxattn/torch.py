@@ -26,11 +26,20 @@ What crosses DLPack and how:
 * int4 / uint4 / quint4x2 tensors are refused: DLPack has no 4-bit type, and
   attention takes float values (``method="sage"`` with
   ``preset="sage2-4b"`` quantises to int4 itself).
-* Inputs are detached: this is a forward pass, without autograd.
+
+Autograd and ``torch.compile``: :func:`attention` is the custom operator
+``torch.ops.jaxattn.attention`` (``torch.library.custom_op``, with a fake
+implementation for tracing), so ``torch.compile`` keeps it as one opaque
+call instead of tracing DLPack.  Its backward is the operator
+``jaxattn::attention_backward``, which runs jaxattn's VJP
+(:func:`jaxattn.grad.attention_vjp`: the exact gradient of attention at the
+inputs, straight through the quantization) on the saved inputs and the
+forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
 """
 from __future__ import annotations
 
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +47,7 @@ import numpy as np
 import torch
 
 import jaxattn
+from jaxattn import base, grad
 
 LAYOUTS = {"HND": (0, 2, 1, 3), "NHD": (0, 1, 2, 3)}  # to BTNH, self-inverse
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -65,6 +75,12 @@ def _check_dtype(tensor: torch.Tensor, name: str, allowed=_FLOAT) -> None:
     raise TypeError(f"{name} must be {kinds} or float8, got {tensor.dtype}")
 
 
+@torch.compiler.assume_constant_result
+def _jax_has_gpu() -> bool:
+  """(A constant to ``torch.compile``, which cannot trace ``jax.devices``.)"""
+  return any(d.platform == "gpu" for d in jax.devices())
+
+
 def _jax_device_kind(device: torch.device) -> None:
   """Raises unless jax can take tensors from ``device`` through DLPack."""
   if device.type == "cpu":
@@ -72,7 +88,7 @@ def _jax_device_kind(device: torch.device) -> None:
   if device.type != "cuda":
     raise ValueError(f"tensors on {device} cannot cross DLPack to jax; use "
                      "CPU or CUDA tensors")
-  if not any(d.platform == "gpu" for d in jax.devices()):
+  if not _jax_has_gpu():
     raise RuntimeError(f"tensors are on {device} but jax has no GPU backend; "
                        "install a CUDA build of jax (jaxattn[gpu])")
 
@@ -120,26 +136,68 @@ def _freeze(value):
   return value
 
 
+def _bias_and_mask(attn_mask, mask_meta):
+  if attn_mask is None:
+    return None, None
+  attn_mask = _restore(attn_mask, *mask_meta)
+  if attn_mask.dtype == jnp.bool_:
+    return None, attn_mask
+  return attn_mask, None
+
+
 @functools.partial(jax.jit, static_argnames=(
     "qkv_meta", "mask_meta", "layout", "method", "implementation", "scale",
-    "is_causal", "options"))
+    "is_causal", "options", "return_residual"))
 def _run(qkv, attn_mask, kv_lens, *, qkv_meta, mask_meta, layout, method,
-         implementation, scale, is_causal, options):
+         implementation, scale, is_causal, options, return_residual=False):
   q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
-  bias = mask = None
-  if attn_mask is not None:
-    attn_mask = _restore(attn_mask, *mask_meta)
-    if attn_mask.dtype == jnp.bool_:
-      mask = attn_mask
-    else:
-      bias = attn_mask
+  bias, mask = _bias_and_mask(attn_mask, mask_meta)
   out = jaxattn.dot_product_attention(
       q, k, v, bias, mask, scale=scale, is_causal=is_causal,
       key_value_seq_lengths=kv_lens, method=method,
-      implementation=implementation, **dict(options))
+      implementation=implementation, return_residual=return_residual,
+      **dict(options))
+  if return_residual:   # (output, log-sum-exp [B, T, N])
+    return jnp.transpose(out[0], LAYOUTS[layout]), out[1]
   if isinstance(out, tuple):  # (int8 output, its scale)
     return (jnp.transpose(out[0], LAYOUTS[layout]), *out[1:])
   return jnp.transpose(out, LAYOUTS[layout])
+
+
+def _sum_to(x, shape):
+  """``x`` summed over the axes that broadcasting ``shape`` to it added."""
+  lead = x.ndim - len(shape)
+  x = x.sum(axis=tuple(range(lead))) if lead else x
+  axes = tuple(i for i, n in enumerate(shape) if n == 1 and x.shape[i] != 1)
+  return x.sum(axis=axes, keepdims=True) if axes else x
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "qkv_meta", "mask_meta", "dout_meta", "layout", "scale", "is_causal",
+    "on_gpu"))
+def _run_backward(qkv, attn_mask, kv_lens, lse, dout, *, qkv_meta, mask_meta,
+                  dout_meta, layout, scale, is_causal, on_gpu):
+  """``(dq, dk, dv, dbias)`` in the tensors' layout (dbias shaped like the
+  float ``attn_mask``, or None)."""
+  q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
+  dout = _restore(dout, *dout_meta)
+  bias, mask = _bias_and_mask(attn_mask, mask_meta)
+  b, t, n, d = q.shape
+  full = (b, n, t, k.shape[1])
+  bias_shape = None if bias is None else bias.shape
+  if bias is not None:
+    bias = jnp.broadcast_to(bias, full)
+  if mask is not None:
+    mask = jnp.broadcast_to(mask, full)
+  kv_lens = (jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None
+             else jnp.asarray(kv_lens, jnp.int32))
+  scale = base.default_scale(d) if scale is None else scale
+  dq, dk, dv, dbias = grad.attention_vjp(
+      q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
+      scale=scale, is_causal=is_causal, on_gpu=on_gpu)
+  to_layout = lambda x: jnp.transpose(x, LAYOUTS[layout])
+  return (to_layout(dq), to_layout(dk), to_layout(dv),
+          None if dbias is None else _sum_to(dbias, bias_shape))
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -147,7 +205,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               is_causal: bool = False, sm_scale: float | None = None,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               key_value_seq_lengths=None, implementation: str | None = None,
-              **options):
+              return_lse: bool = False, **options):
   """``jaxattn.dot_product_attention`` on torch tensors, without copies.
 
   Args:
@@ -165,6 +223,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       beyond are masked.
     implementation: None, "reference", "triton" or "mosaic" (as
       ``jaxattn.dot_product_attention``).
+    return_lse: also return the float32 log-sum-exp ``[B, N, T]``
+      (``dot_product_attention``'s ``return_residual``).
 
   Returns:
     The output in ``q``'s layout and dtype (float16 for float8 ``q``), on
@@ -204,7 +264,47 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
                        f"{kv_lens.tolist()}")
 
-  to_btnh = LAYOUTS[tensor_layout]
+  if options.get("return_int8"):   # an int8 output: no autograd
+    out = _forward(q, k, v, attn_mask, kv_lens, layout=tensor_layout,
+                   method=method, implementation=implementation,
+                   sm_scale=sm_scale, is_causal=is_causal, options=options,
+                   need_lse=False)
+    return tuple(_export_array(x) for x in out)
+  lens = None if kv_lens is None else torch.as_tensor(kv_lens,
+                                                      dtype=torch.int32)
+  need_lse = return_lse or (
+      torch.is_grad_enabled()
+      and any(x is not None and x.requires_grad for x in (q, k, v, attn_mask))
+      and _backward_path(q, attn_mask) == "xla")
+  out, lse = torch.ops.jaxattn.attention(
+      q, k, v, attn_mask, lens, tensor_layout, method, implementation,
+      None if sm_scale is None else float(sm_scale), bool(is_causal),
+      _encode(options), need_lse)
+  return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+@torch.compiler.assume_constant_result
+def _encode(options) -> str:
+  """The options as the operator's string argument (JSON; a constant to
+  ``torch.compile``, which does not trace ``json``)."""
+  return json.dumps(options, sort_keys=True)
+
+
+def _backward_path(q, attn_mask) -> str:
+  """Which backward :func:`jaxattn.grad.attention_vjp` will take: "xla"
+  needs the forward's log-sum-exp, "cudnn" recomputes its own."""
+  dtype = jnp.float16 if q.dtype in _FLOAT8 else jnp.dtype(
+      str(q.dtype).split(".")[1])
+  has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
+  has_mask = attn_mask is not None and attn_mask.dtype == torch.bool
+  return grad.backward_path(dtype, q.shape[-1], has_bias, has_mask,
+                            on_gpu=q.device.type == "cuda")
+
+
+def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,
+             sm_scale, is_causal, options, need_lse):
+  """The jitted call on the tensors' buffers (jax arrays out)."""
+  to_btnh = LAYOUTS[layout]
   qkv, qkv_meta = [], []
   for x in (q, k, v):
     array, (axes, float8) = _import_tensor(x)
@@ -212,14 +312,106 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     qkv_meta.append((tuple(axes[i] for i in to_btnh), float8))
   mask_array, mask_meta = (None, None) if attn_mask is None else \
       _import_tensor(attn_mask)
-  out = _run(tuple(qkv), mask_array, kv_lens, qkv_meta=tuple(qkv_meta),
-             mask_meta=mask_meta, layout=tensor_layout, method=method,
-             implementation=implementation,
-             scale=None if sm_scale is None else float(sm_scale),
-             is_causal=bool(is_causal), options=_freeze(options))
-  if isinstance(out, tuple):
-    return tuple(_export_array(x) for x in out)
-  return _export_array(out)
+  if kv_lens is not None:
+    kv_lens = np.asarray(torch.as_tensor(kv_lens).cpu())
+  return _run(tuple(qkv), mask_array, kv_lens, qkv_meta=tuple(qkv_meta),
+              mask_meta=mask_meta, layout=layout, method=method,
+              implementation=implementation,
+              scale=None if sm_scale is None else float(sm_scale),
+              is_causal=bool(is_causal), options=_freeze(options),
+              return_residual=need_lse)
+
+
+_SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
+           "str layout, str method, str? implementation, float? sm_scale, "
+           "bool is_causal, str options, bool need_lse) -> (Tensor, Tensor)")
+
+
+@torch.library.custom_op("jaxattn::attention", mutates_args=(),
+                         schema=_SCHEMA)
+def _attention_op(q, k, v, attn_mask, kv_lens, layout, method,
+                  implementation, sm_scale, is_causal, options, need_lse):
+  """``(output in q's layout, float32 log-sum-exp [B, T, N] or an empty
+  tensor)``."""
+  out = _forward(q, k, v, attn_mask, kv_lens, layout=layout, method=method,
+                 implementation=implementation, sm_scale=sm_scale,
+                 is_causal=is_causal, options=json.loads(options),
+                 need_lse=need_lse)
+  if need_lse:
+    return _export_array(out[0]), _export_array(out[1])
+  return _export_array(out), q.new_empty((0,), dtype=torch.float32)
+
+
+def _shapes(q, v, layout):
+  b = q.shape[0]
+  t, n = (q.shape[2], q.shape[1]) if layout == "HND" else (q.shape[1],
+                                                           q.shape[2])
+  return (*q.shape[:3], v.shape[3]), (b, t, n)
+
+
+@_attention_op.register_fake
+def _attention_fake(q, k, v, attn_mask, kv_lens, layout, method,
+                    implementation, sm_scale, is_causal, options, need_lse):
+  out_shape, lse_shape = _shapes(q, v, layout)
+  dtype = torch.float16 if q.dtype in _FLOAT8 else q.dtype
+  return (q.new_empty(out_shape, dtype=dtype),
+          q.new_empty(lse_shape if need_lse else (0,), dtype=torch.float32))
+
+
+_BACKWARD_SCHEMA = (
+    "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
+    "Tensor lse, Tensor dout, str layout, float? sm_scale, bool is_causal) "
+    "-> (Tensor, Tensor, Tensor, Tensor)")
+
+
+@torch.library.custom_op("jaxattn::attention_backward", mutates_args=(),
+                         schema=_BACKWARD_SCHEMA)
+def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, layout,
+                           sm_scale, is_causal):
+  """``(dq, dk, dv, dbias)`` shaped like q, k, v and a float attn_mask
+  (an empty tensor without one)."""
+  to_btnh = LAYOUTS[layout]
+  arrays, metas = [], []
+  for x in (q, k, v, dout):
+    array, (axes, float8) = _import_tensor(x)
+    arrays.append(array)
+    metas.append((tuple(axes[i] for i in to_btnh), float8))
+  mask_array, mask_meta = (None, None) if attn_mask is None else \
+      _import_tensor(attn_mask)
+  lens = None if kv_lens is None else np.asarray(kv_lens.cpu())
+  grads = _run_backward(
+      tuple(arrays[:3]), mask_array, lens, _import_tensor(lse)[0], arrays[3],
+      qkv_meta=tuple(metas[:3]), mask_meta=mask_meta, dout_meta=metas[3],
+      layout=layout, scale=sm_scale, is_causal=is_causal,
+      on_gpu=q.device.type == "cuda")
+  dbias = (q.new_empty((0,)) if grads[3] is None
+           else _export_array(grads[3]))
+  return (*(_export_array(g) for g in grads[:3]), dbias)
+
+
+@_attention_backward_op.register_fake
+def _attention_backward_fake(q, k, v, attn_mask, kv_lens, lse, dout, layout,
+                             sm_scale, is_causal):
+  has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
+  return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+          torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
+
+
+def _setup_context(ctx, inputs, output):
+  q, k, v, attn_mask, kv_lens, layout, _, _, sm_scale, is_causal, _, _ = inputs
+  ctx.save_for_backward(q, k, v, attn_mask, kv_lens, output[1])
+  ctx.static = (layout, sm_scale, is_causal)
+  ctx.bias = attn_mask is not None and attn_mask.dtype != torch.bool
+
+
+def _backward(ctx, dout, _):
+  q, k, v, attn_mask, kv_lens, lse = ctx.saved_tensors
+  dq, dk, dv, dbias = torch.ops.jaxattn.attention_backward(
+      q, k, v, attn_mask, kv_lens, lse, dout, *ctx.static)
+  return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 8)
+
+
+_attention_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -240,12 +432,10 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   "per_tensor") map onto :class:`jaxattn.sage.SageConfig`; other options are
   its fields (``smooth_v``, ``pv_dtype``, ...) or :func:`attention`'s
   (``attn_mask``, ``key_value_seq_lengths``, ``implementation``).
-  ``return_lse=True`` raises ``NotImplementedError``: jaxattn's methods do
-  not return the log-sum-exp.
+  ``return_lse=True`` also returns the float32 log-sum-exp of each row of
+  the scaled scores, ``[B, N, T]`` (natural log), as SageAttention does
+  for ring attention: ``(output, lse)``.
   """
-  if return_lse:
-    raise NotImplementedError("return_lse=True: jaxattn's methods do not "
-                              "return the log-sum-exp")
   if qk_quant_gran is not None:
     if qk_quant_gran not in _QK_QUANT_GRAN:
       raise ValueError(f"qk_quant_gran must be one of {tuple(_QK_QUANT_GRAN)}"
@@ -253,4 +443,4 @@ def sageattn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     options["qk_granularity"] = _QK_QUANT_GRAN[qk_quant_gran]
   return attention(q, k, v, method="sage", tensor_layout=tensor_layout,
                    is_causal=is_causal, sm_scale=sm_scale, smooth_k=smooth_k,
-                   **options)
+                   return_lse=return_lse, **options)

@@ -261,3 +261,71 @@ def test_per_layer_config_errors():
     jflax.attention_fns({"a": {"method": "pasa", "preset": "sage2-4b"}})
   with pytest.raises(TypeError, match="str or a mapping"):
     jflax.attention_fns({"a": 8})
+
+
+def _train_losses(attention_fn, steps=40):
+  """A two-block causal transformer (nnx) trained with Adam to predict the
+  next token of sequences that repeat with period 5: the loss per step."""
+  import optax
+  vocab, t, d = 11, 16, 32
+
+  class Block(nnx.Module):
+    def __init__(self, rngs):
+      self.attn = nnx.MultiHeadAttention(
+          num_heads=2, in_features=d, decode=False, rngs=rngs,
+          **({"attention_fn": attention_fn} if attention_fn else {}))
+      self.mlp = nnx.Linear(d, d, rngs=rngs)
+      self.norm1, self.norm2 = nnx.LayerNorm(d, rngs=rngs), nnx.LayerNorm(
+          d, rngs=rngs)
+
+    def __call__(self, x, mask):
+      x = x + self.attn(self.norm1(x), mask=mask)
+      return x + nnx.gelu(self.mlp(self.norm2(x)))
+
+  class Model(nnx.Module):
+    def __init__(self, rngs):
+      self.embed = nnx.Embed(vocab, d, rngs=rngs)
+      self.pos = nnx.Param(0.02 * jax.random.normal(rngs.params(), (t, d)))
+      self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+      self.head = nnx.Linear(d, vocab, rngs=rngs)
+
+    def __call__(self, tokens):
+      x = self.embed(tokens) + self.pos[...][:tokens.shape[-1]]
+      mask = nnx.make_causal_mask(tokens)
+      for block in self.blocks:
+        x = block(x, mask)
+      return self.head(x)
+
+  model = Model(nnx.Rngs(0))
+  optimizer = nnx.Optimizer(model, optax.adam(3e-3), wrt=nnx.Param)
+  starts = jax.random.randint(jax.random.key(1), (8, 1), 0, vocab)
+  tokens = (starts + jnp.arange(t) % 5) % vocab
+
+  @nnx.jit
+  def step(model, optimizer, tokens):
+    def loss_fn(model):
+      logits = model(tokens[:, :-1])
+      return optax.softmax_cross_entropy_with_integer_labels(
+          logits, tokens[:, 1:]).mean()
+    loss, grads = nnx.value_and_grad(loss_fn)(model)
+    optimizer.update(model, grads)
+    return loss
+
+  return np.array([float(step(model, optimizer, tokens))
+                   for _ in range(steps)])
+
+
+@pytest.mark.parametrize("method", ["fp32", "sage"])
+def test_nnx_training_step_loss_falls_as_with_jax_nn(method):
+  """jax.grad through jaxattn inside an nnx model trained with optax: the
+  loss falls as with flax's default attention (3.88 to 0.010 in 40 steps).
+  fp32 tracks it to float32 rounding (measured max relative difference
+  1.2e-6); sage's quantized forward with the straight-through backward
+  stays within 5% of it at every step (measured 3.8%, at the last steps,
+  where the loss is 0.01)."""
+  fn = jflax.make_attention_fn(method, implementation="reference")
+  ours, ref = _train_losses(fn), _train_losses(None)
+  assert ref[-1] < 0.2 * ref[0]           # the task is learnt
+  assert ours[-1] < 0.2 * ours[0]
+  rel = np.abs(ours - ref) / ref
+  assert rel.max() < (1e-4 if method == "fp32" else 0.05), rel.max()

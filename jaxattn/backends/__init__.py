@@ -60,12 +60,18 @@ class Adapter:
   kv_lens, *, scale, config)`` -> :class:`jaxattn.operands.QuantizedOperands`
   and ``kernel(operands, kv_lens, bias, mask, *, is_causal, config,
   out_dtype)``, so that the benchmark can time the kernel alone.
+
+  ``run_lse``, where the kernel computes it, is ``run`` that also returns
+  the float32 log-sum-exp ``[B, N, T]`` (natural log, ``-inf`` for a row
+  that sees no key); without it the log-sum-exp comes from
+  :func:`logsumexp`.
   """
   run: Callable[..., Any]
   check: Callable[[Call], None] = _accepts
   prepare: Callable[..., Any] | None = None
   kernel: Callable[..., Any] | None = None
   confines_nonfinite: bool = False
+  run_lse: Callable[..., Any] | None = None
 
 
 def two_stage(prepare, kernel, check=_accepts) -> Adapter:

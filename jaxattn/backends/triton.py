@@ -62,12 +62,24 @@ def quantized_params(head_dim: int, config) -> common.KernelParams:
 
 
 def _flash(precision):
-  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          return_lse=False):
     params = flash_params(precision, q.shape[-1], config)
     return flash.flash_attention(q, k, v, kv_lens, bias, mask, scale=scale,
                                  is_causal=is_causal, precision=precision,
-                                 params=params)
-  return Adapter(run=run)
+                                 params=params, return_lse=return_lse)
+  return Adapter(run=run, run_lse=functools.partial(run, return_lse=True))
+
+
+def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal):
+  """float32 ``[B, N, T]``: the log-sum-exp of the float32 scores (``-inf``
+  for a row that sees no key), from the flash kernel: a forward pass whose
+  output is dropped (K stands in for V)."""
+  _, lse = flash.flash_attention(
+      q, k, k, kv_lens, bias, mask, scale=scale,
+      is_causal=is_causal, precision="fp32",
+      params=flash.default_params("fp32", q.shape[-1]), return_lse=True)
+  return lse
 
 
 def _check_pasa(call: Call) -> None:
@@ -82,18 +94,22 @@ def _check_pasa(call: Call) -> None:
         "implementation='reference'")
 
 
-def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          return_lse=False):
   """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
   kernel; a non-finite query poisons its own row there."""
   k_shifted, v, inva, bad_kv = operands.pasa_operands(
       k, v, kv_lens, scale=scale, config=config)
-  out = flash.flash_attention(
+  outs = flash.flash_attention(
       q, k_shifted, v, kv_lens, bias, mask, scale=inva,
       is_causal=is_causal, precision="pasa",
       params=flash_params("pasa", q.shape[-1], config),
-      state_dtype=config.state_dtype)
-  return nonfinite.poison(out, nonfinite.rows_reached(
-      None, bad_kv, mask, kv_lens, is_causal=is_causal, q_shape=q.shape))
+      state_dtype=config.state_dtype, return_lse=return_lse)
+  out = nonfinite.poison(outs[0] if return_lse else outs,
+                         nonfinite.rows_reached(
+                             None, bad_kv, mask, kv_lens,
+                             is_causal=is_causal, q_shape=q.shape))
+  return (out, outs[1]) if return_lse else out
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):
@@ -132,7 +148,8 @@ ADAPTERS = {
     "fp32": _flash("fp32"),
     "fp16_fp32": _flash("fp16_fp32"),
     "fp16": _flash("fp16"),
-    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True),
+    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
+                    run_lse=functools.partial(_pasa, return_lse=True)),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
     "fmha_int8": Adapter(run=_fmha),

@@ -1,0 +1,238 @@
+"""The backward pass of every method: the exact gradient of softmax attention
+at the inputs (a straight-through estimate through the quantization, as
+SageAttention's training kernels take it), and the log-sum-exp residual.
+
+With ``P = softmax(s)``, ``s = scale Q K^T + bias`` (FlashAttention-2,
+section 2.3)::
+
+    dV = P^T dO        dP = dO V^T        delta = rowsum(dO * O)
+    dS = P * (dP - delta)      dQ = scale dS K      dK = scale dS^T Q
+    dbias = dS
+
+``P = exp(s - lse)`` is rebuilt from the log-sum-exp and ``O = P V`` from
+``P`` (each block of query rows sees every key, so this costs one more
+product), not taken from the forward: a quantized method's output would
+put its error into ``delta`` and from there into every ``dQ`` and ``dK``
+(2-3% for sage and fp8, measured), where the exact ``O`` gives the exact
+gradient at the inputs.  Three ways run it, the fastest that fits the call
+(:func:`backward_path`): cuDNN's backward through
+``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU where
+cuDNN takes the call (it recomputes its own forward for the residual), or
+the dense XLA form below, in blocks of query rows.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+# jax.nn's value for a masked logit (its _apply_masks), so that a row that
+# sees no key has jax.nn's log-sum-exp: this value (plus log S, which it
+# absorbs).
+MASK_VALUE = float(np.float32(-0.7 * np.finfo(np.float32).max))
+# query rows per block of the XLA backward (bounds its [B, N, rows, S]
+# temporaries)
+XLA_ROWS = 512
+PATHS = ("cudnn", "xla")
+logger = logging.getLogger("jaxattn")
+
+
+def _visible(t0, t, s, kv_lens, mask, is_causal):
+  """bool ``[B, 1 or N, t, S]``: the scores kept for query rows ``t0 ..
+  t0 + t``."""
+  rows = t0 + lax.broadcasted_iota(jnp.int32, (t, s), 0)
+  cols = lax.broadcasted_iota(jnp.int32, (t, s), 1)
+  vis = cols[None, None] < kv_lens[:, None, None, None]
+  if is_causal:
+    vis = vis & (cols <= rows)[None, None]
+  if mask is not None:
+    vis = vis & mask
+  return vis
+
+
+def _grouped(q, nk):
+  """``[B, T, N, D]`` -> ``[B, T, K, G, D]`` (query heads by key head)."""
+  b, t, n, d = q.shape
+  return q.reshape(b, t, nk, n // nk, d)
+
+
+def _scores(q, k, bias, mask, kv_lens, *, t0, scale, is_causal):
+  """float32 scores ``[B, N, t, S]`` of the query rows ``q`` (starting at
+  ``t0``) and their visibility."""
+  f32 = jnp.float32
+  b, t, n, d = q.shape
+  nk = k.shape[2]
+  s = jnp.einsum("btkgd,bskd->bkgts", _grouped(q.astype(f32), nk),
+                 k.astype(f32), precision=lax.Precision.HIGHEST)
+  s = s.reshape(b, n, t, k.shape[1]) * jnp.float32(scale)
+  if bias is not None:
+    s = s + bias.astype(f32)
+  return s, _visible(t0, t, k.shape[1], kv_lens, mask, is_causal)
+
+
+def _row_blocks(t: int, rows: int):
+  """(block count, padded length) of ``t`` query rows in blocks."""
+  rows = min(rows, t)
+  n = -(-t // rows)
+  return n, n * rows, rows
+
+
+def _split_rows(x, axis, n, rows):
+  """``x`` padded along ``axis`` to ``n * rows`` and split into ``n``
+  blocks (a new leading axis)."""
+  if x is None:
+    return None
+  pad = [(0, 0)] * x.ndim
+  pad[axis] = (0, n * rows - x.shape[axis])
+  x = jnp.pad(x, pad)
+  x = x.reshape(*x.shape[:axis], n, rows, *x.shape[axis + 1:])
+  return jnp.moveaxis(x, axis, 0)
+
+
+def _join_rows(x, axis, t):
+  """Inverse of :func:`_split_rows` (the padding dropped)."""
+  x = jnp.moveaxis(x, 0, axis)
+  x = x.reshape(*x.shape[:axis], -1, *x.shape[axis + 2:])
+  return lax.slice_in_dim(x, 0, t, axis=axis)
+
+
+def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
+              rows=XLA_ROWS):
+  """float32 ``[B, T, N]``: the natural-log log-sum-exp of each query row's
+  visible float32 scores, :data:`MASK_VALUE` for a row that sees no key
+  (jax.nn's ``return_residual`` value there)."""
+  t = q.shape[1]
+  n, _, rows = _row_blocks(t, rows)
+
+  def block(args):
+    i, qb, bb, mb = args
+    s, vis = _scores(qb, k, bb, mb, kv_lens, t0=i * rows, scale=scale,
+                     is_causal=is_causal)
+    s = jnp.where(vis, s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
+    lse = jnp.log(jnp.sum(jnp.exp(s - m_safe), axis=-1)) + m_safe[..., 0]
+    return jnp.where(jnp.isneginf(lse), MASK_VALUE, lse)   # [B, N, rows]
+  lse = lax.map(block, (jnp.arange(n), _split_rows(q, 1, n, rows),
+                        _split_rows(bias, 2, n, rows),
+                        _split_rows(mask, 2, n, rows)))
+  return _join_rows(lse, 2, t).transpose(0, 2, 1)
+
+
+def as_residual(lse):
+  """A kernel's float32 log-sum-exp (``-inf`` where a row sees no key)
+  with jax.nn's value for those rows."""
+  return jnp.where(jnp.isneginf(lse), MASK_VALUE, lse.astype(jnp.float32))
+
+
+def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
+            rows=XLA_ROWS):
+  """``(dq, dk, dv, dbias)`` of softmax attention (the module docstring),
+  float32, from the log-sum-exp ``lse`` ``[B, T, N]``; dbias ``[B, N, T,
+  S]`` or None.  Query rows in blocks of ``rows``."""
+  f32 = jnp.float32
+  b, t, n, d = q.shape
+  s_len, nk = k.shape[1], k.shape[2]
+  g = n // nk
+  kf, vf = k.astype(f32), v.astype(f32)
+  nb, _, rows = _row_blocks(t, rows)
+  hi = lax.Precision.HIGHEST
+
+  def block(carry, args):
+    dk, dv = carry
+    i, qb, dob, lseb, bb, mb = args
+    s, vis = _scores(qb, k, bb, mb, kv_lens, t0=i * rows, scale=scale,
+                     is_causal=is_causal)
+    lse_t = lseb.transpose(0, 2, 1)[..., None]                 # [B, N, r, 1]
+    p = jnp.where(vis, jnp.exp(s - lse_t), 0.0)
+    pg = p.reshape(b, nk, g, rows, s_len)
+    dog = _grouped(dob.astype(f32), nk)                         # [B, r, K, G, D]
+    dv = dv + jnp.einsum("bkgts,btkgd->bskd", pg, dog, precision=hi)
+    dp = jnp.einsum("btkgd,bskd->bkgts", dog, vf, precision=hi)
+    o = jnp.einsum("bkgts,bskd->btkgd", pg, vf, precision=hi)
+    delta = jnp.einsum("btkgd,btkgd->bkgt", o, dog, precision=hi)
+    ds = pg * (dp - delta[..., None])
+    dq = jnp.einsum("bkgts,bskd->btkgd", ds, kf, precision=hi) * scale
+    dk = dk + jnp.einsum("bkgts,btkgd->bskd", ds,
+                         _grouped(qb.astype(f32), nk), precision=hi) * scale
+    dbias = ds.reshape(b, n, rows, s_len) if bias is not None else None
+    return (dk, dv), (dq.reshape(b, rows, n, d), dbias)
+
+  zeros = (jnp.zeros((b, s_len, nk, d), f32),
+           jnp.zeros((b, s_len, nk, v.shape[-1]), f32))
+  split = functools.partial(_split_rows, n=nb, rows=rows)
+  (dk, dv), (dq, dbias) = lax.scan(block, zeros, (
+      jnp.arange(nb), split(q, 1), split(dout, 1), split(lse, 1),
+      split(bias, 2), split(mask, 2)))
+  dq = _join_rows(dq, 1, t)
+  if bias is not None:
+    dbias = _join_rows(dbias, 2, t)
+  return dq, dk, dv, dbias
+
+
+def cudnn_reason(q_dtype, head_dim: int, has_bias: bool, has_mask: bool,
+                 on_gpu: bool) -> str | None:
+  """Why cuDNN's backward cannot take the call, or None when it can."""
+  if not on_gpu:
+    return "no GPU"
+  if jnp.dtype(q_dtype) not in (jnp.dtype(jnp.float16),
+                                jnp.dtype(jnp.bfloat16)):
+    return f"cuDNN takes float16/bfloat16, not {jnp.dtype(q_dtype).name}"
+  if head_dim % 8 or head_dim > 128:
+    return f"cuDNN's backward takes head dims <= 128 in steps of 8, not {head_dim}"
+  if has_bias or has_mask:
+    return "a bias or dense mask (cuDNN's backward would need the dense bias gradient)"
+  return None
+
+
+def cudnn_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
+  """``(dq, dk, dv)`` from cuDNN's backward (``jax.vjp`` of
+  ``jax.nn.dot_product_attention(implementation="cudnn")``, which runs its
+  own forward for the residual)."""
+  def attend(q, k, v):
+    return jax.nn.dot_product_attention(
+        q, k, v, scale=scale, is_causal=is_causal,
+        key_value_seq_lengths=kv_lens, implementation="cudnn")
+  _, vjp = jax.vjp(attend, q, k, v.astype(q.dtype))
+  dq, dk, dv = vjp(dout.astype(q.dtype))
+  # a batch row with no key: the forward returns 0 there, so no gradient
+  has_keys = (kv_lens > 0)[:, None, None, None]
+  return tuple(jnp.where(has_keys, x, 0) for x in (dq, dk, dv))
+
+
+def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
+  """``"cudnn"`` where cuDNN's backward takes the call, else ``"xla"``."""
+  return ("cudnn" if cudnn_reason(q_dtype, head_dim, has_bias, has_mask,
+                                  on_gpu) is None else "xla")
+
+
+def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
+                  is_causal, on_gpu):
+  """``(dq, dk, dv, dbias)`` in the inputs' dtypes (dbias None without a
+  bias) by :func:`backward_path`: cuDNN's backward (``lse`` unused, may be
+  None) or :func:`xla_vjp`.  Where jax's cuDNN module refuses the call
+  after all (its own checks run at trace time), the XLA form runs, with the
+  log-sum-exp computed here if the forward did not keep it."""
+  path = backward_path(q.dtype, q.shape[-1], bias is not None,
+                       mask is not None, on_gpu)
+  grads = None
+  if path == "cudnn":
+    try:
+      grads = (*cudnn_vjp(q, k, v, kv_lens, dout, scale=scale,
+                          is_causal=is_causal), None)
+    except (ValueError, NotImplementedError, RuntimeError) as e:
+      logger.info("jaxattn: cuDNN's backward refused the call (%s); "
+                  "using the XLA backward", e)
+  if grads is None:
+    if lse is None:
+      lse = logsumexp(q, k, bias, mask, kv_lens, scale=scale,
+                      is_causal=is_causal)
+    grads = xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, scale=scale,
+                    is_causal=is_causal)
+  dq, dk, dv, dbias = grads
+  return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
+          None if bias is None else dbias.astype(bias.dtype))
