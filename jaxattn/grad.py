@@ -29,6 +29,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels import common, flash, flash_backward
 
 # jax.nn's value for a masked logit (its _apply_masks), so that a row that
 # sees no key has jax.nn's log-sum-exp: this value (plus log S, which it
@@ -37,7 +40,11 @@ MASK_VALUE = float(np.float32(-0.7 * np.finfo(np.float32).max))
 # query rows per block of the XLA backward (bounds its [B, N, rows, S]
 # temporaries)
 XLA_ROWS = 512
-PATHS = ("cudnn", "xla")
+PATHS = ("cudnn", "triton", "xla")
+# (block_q, block_k, num_warps, num_stages) of the Triton backward by padded
+# head dim: not tuned on a GPU yet
+_BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2),
+                   256: (32, 32, 8, 1)}
 logger = logging.getLogger("jaxattn")
 
 
@@ -204,10 +211,31 @@ def cudnn_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
   return tuple(jnp.where(has_keys, x, 0) for x in (dq, dk, dv))
 
 
+def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
+  """``(dq, dk, dv)`` float32 from the Triton backward kernels, with ``O``
+  and the log-sum-exp from the flash kernel's ``"fp32"`` forward (so the
+  gradient is attention's at the inputs, whatever the method's forward)."""
+  d = q.shape[-1]
+  out, lse = flash.flash_attention(
+      q, k, v, kv_lens, scale=scale, is_causal=is_causal, precision="fp32",
+      params=flash.default_params("fp32", d), return_lse=True)
+  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)    # rows with no key: P = 0
+  delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32),
+                  axis=-1).transpose(0, 2, 1)
+  tiles = _BACKWARD_TILES[min(max(pl.next_power_of_2(d), 64), 256)]
+  return flash_backward.flash_backward(
+      q, k, v, kv_lens, lse, delta, dout.astype(q.dtype), scale=scale,
+      is_causal=is_causal, params=common.KernelParams(*tiles))
+
+
 def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
-  """``"cudnn"`` where cuDNN's backward takes the call, else ``"xla"``."""
-  return ("cudnn" if cudnn_reason(q_dtype, head_dim, has_bias, has_mask,
-                                  on_gpu) is None else "xla")
+  """``"cudnn"`` where cuDNN's backward takes the call, else ``"triton"``
+  on a GPU without a bias or dense mask, else ``"xla"``."""
+  if cudnn_reason(q_dtype, head_dim, has_bias, has_mask, on_gpu) is None:
+    return "cudnn"
+  if on_gpu and not has_bias and not has_mask:
+    return "triton"
+  return "xla"
 
 
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
@@ -220,6 +248,9 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
   path = backward_path(q.dtype, q.shape[-1], bias is not None,
                        mask is not None, on_gpu)
   grads = None
+  if path == "triton":
+    grads = (*pallas_vjp(q, k, v, kv_lens, dout, scale=scale,
+                         is_causal=is_causal), None)
   if path == "cudnn":
     try:
       grads = (*cudnn_vjp(q, k, v, kv_lens, dout, scale=scale,

@@ -188,3 +188,27 @@ def test_int8_output_is_not_differentiated_but_still_runs():
   o8, scale = jaxattn.dot_product_attention(q, k, v, method="fmha_int8",
                                             return_int8=True)
   assert o8.dtype == jnp.int8 and scale.dtype == F32
+
+
+@pytest.mark.parametrize("is_causal", [False, True])
+@pytest.mark.parametrize("t,s,d", [(37, 45, 32), (50, 30, 40)])
+def test_triton_backward_kernel_equals_xla_backward(t, s, d, is_causal):
+  """The Pallas Triton backward (interpret mode here; the path of GPU calls
+  cuDNN refuses) against the XLA form: GQA, a batch row with 11 keys and
+  one with none, lengths that are not multiples of the blocks, a head dim
+  that is not a power of two."""
+  q, k, v, w = _inputs(8, t=t, s=s, d=d)
+  lens = jnp.asarray([11, 0], jnp.int32)
+  scale = 1.0 / np.sqrt(d)
+  lse = grad.logsumexp(q, k, None, None, lens, scale=scale,
+                       is_causal=is_causal)
+  want = grad.xla_vjp(q, k, v, None, None, lens, lse, w, scale=scale,
+                      is_causal=is_causal)[:3]
+  got = grad.pallas_vjp(q, k, v, lens, w, scale=scale, is_causal=is_causal)
+  for name, a, b in zip("qkv", got, want):
+    assert a.shape == b.shape, name
+    # float32 sums in another order: elementwise, relative to the largest
+    scale_b = float(np.abs(np.asarray(b)).max())
+    assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) < 1e-5 * scale_b
+    assert _rel(a, b) < 1e-5, name
+  assert np.all(np.asarray(got[0][1]) == 0)   # the row with no key
