@@ -45,6 +45,9 @@ PATHS = ("cudnn", "triton", "xla")
 # head dim: not tuned on a GPU yet
 _BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2),
                    256: (32, 32, 8, 1)}
+# The Triton backward has run in interpret mode only: until it has run on a
+# GPU, backward_path keeps those calls on the XLA form.
+TRITON_BACKWARD_ON_GPU = False
 logger = logging.getLogger("jaxattn")
 
 
@@ -233,7 +236,7 @@ def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
   on a GPU without a bias or dense mask, else ``"xla"``."""
   if cudnn_reason(q_dtype, head_dim, has_bias, has_mask, on_gpu) is None:
     return "cudnn"
-  if on_gpu and not has_bias and not has_mask:
+  if on_gpu and TRITON_BACKWARD_ON_GPU and not has_bias and not has_mask:
     return "triton"
   return "xla"
 
