@@ -14,11 +14,13 @@ section 2.3)::
 product), not taken from the forward: a quantized method's output would
 put its error into ``delta`` and from there into every ``dQ`` and ``dK``
 (2-3% for sage and fp8, measured), where the exact ``O`` gives the exact
-gradient at the inputs.  Three ways run it, the fastest that fits the call
-(:func:`backward_path`): cuDNN's backward through
+gradient at the inputs.  :func:`backward_path` picks the fastest way that
+fits the call: cuDNN's backward through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU where
-cuDNN takes the call (it recomputes its own forward for the residual), or
-the dense XLA form below, in blocks of query rows.
+cuDNN takes the call (it recomputes its own forward for the residual); the
+Pallas Triton backward (:func:`pallas_vjp`) for other GPU calls without a
+bias or dense mask, once :data:`TRITON_BACKWARD_ON_GPU` is set; else the
+XLA form (:func:`xla_vjp`), in blocks of query rows.
 """
 from __future__ import annotations
 
@@ -40,7 +42,6 @@ MASK_VALUE = float(np.float32(-0.7 * np.finfo(np.float32).max))
 # query rows per block of the XLA backward (bounds its [B, N, rows, S]
 # temporaries)
 XLA_ROWS = 512
-PATHS = ("cudnn", "triton", "xla")
 # (block_q, block_k, num_warps, num_stages) of the Triton backward by padded
 # head dim: not tuned on a GPU yet
 _BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2),
@@ -244,8 +245,8 @@ def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
                   is_causal, on_gpu):
   """``(dq, dk, dv, dbias)`` in the inputs' dtypes (dbias None without a
-  bias) by :func:`backward_path`: cuDNN's backward (``lse`` unused, may be
-  None) or :func:`xla_vjp`.  Where jax's cuDNN module refuses the call
+  bias) by :func:`backward_path`: cuDNN's or the Triton backward (``lse``
+  unused, may be None) or :func:`xla_vjp`.  Where jax's cuDNN module refuses the call
   after all (its own checks run at trace time), the XLA form runs, with the
   log-sum-exp computed here if the forward did not keep it."""
   path = backward_path(q.dtype, q.shape[-1], bias is not None,
@@ -254,7 +255,7 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
   if path == "triton":
     grads = (*pallas_vjp(q, k, v, kv_lens, dout, scale=scale,
                          is_causal=is_causal), None)
-  if path == "cudnn":
+  elif path == "cudnn":
     try:
       grads = (*cudnn_vjp(q, k, v, kv_lens, dout, scale=scale,
                           is_causal=is_causal), None)

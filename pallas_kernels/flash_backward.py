@@ -28,16 +28,14 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import common
 
 
-def _probabilities(q, k, lse, *, scale, rows0, cols0, kv_len, is_causal):
-  """``P = exp(scale q k^T - lse)`` ``[bq, bk]`` float32, 0 where hidden."""
+def _probabilities(q, k, lse, *, scale, i, j, kv_len, block_q, block_k,
+                   is_causal):
+  """``P = exp(scale q k^T - lse)`` of query block ``i`` and key block
+  ``j``, ``[block_q, block_k]`` float32, 0 where hidden."""
   s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                       preferred_element_type=jnp.float32) * scale
-  shape = s.shape
-  cols = cols0 + lax.broadcasted_iota(jnp.int32, shape, 1)
-  vis = cols < kv_len
-  if is_causal:
-    rows = rows0 + lax.broadcasted_iota(jnp.int32, shape, 0)
-    vis = vis & (cols <= rows)
+  vis = common.visible(i, j, kv_len, block_q=block_q, block_k=block_k,
+                       is_causal=is_causal)
   return jnp.where(vis, jnp.exp(s - lse[:, None]), 0.0)
 
 
@@ -54,8 +52,9 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref,
     dk, dv = carry
     rows = pl.ds(pl.multiple_of(i * block_q, block_q), block_q)
     q, do = q_ref[rows, :], do_ref[rows, :]
-    p = _probabilities(q, k, lse_ref[rows], scale=scale, rows0=i * block_q,
-                       cols0=j * block_k, kv_len=kv_len, is_causal=is_causal)
+    p = _probabilities(q, k, lse_ref[rows], scale=scale, i=i, j=j,
+                       kv_len=kv_len, block_q=block_q, block_k=block_k,
+                       is_causal=is_causal)
     dv = dv + lax.dot_general(p.astype(do.dtype), do,
                               (((0,), (0,)), ((), ())),
                               preferred_element_type=jnp.float32)
@@ -89,8 +88,8 @@ def _dq_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref,
   def body(j, dq):
     cols = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
     k, v = k_ref[cols, :], v_ref[cols, :]
-    p = _probabilities(q, k, lse, scale=scale, rows0=i * block_q,
-                       cols0=j * block_k, kv_len=kv_len, is_causal=is_causal)
+    p = _probabilities(q, k, lse, scale=scale, i=i, j=j, kv_len=kv_len,
+                       block_q=block_q, block_k=block_k, is_causal=is_causal)
     dp = lax.dot_general(do, v, (((1,), (1,)), ((), ())),
                          preferred_element_type=jnp.float32)
     ds = p * (dp - delta[:, None])
