@@ -45,7 +45,8 @@ def _dkdv_kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, len_ref,
   j = pl.program_id(0)
   kv_len = len_ref[0]
   k, v = k_ref[...], v_ref[...]
-  first = lax.div(j * block_k, block_q) if is_causal else 0
+  # (an int32 0: a Python literal lowers to a mistyped select on Triton)
+  first = lax.div(j * block_k, block_q) if is_causal else jnp.int32(0)
   n_q = lax.div(t + block_q - 1, block_q)
 
   def body(i, carry):
