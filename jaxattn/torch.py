@@ -38,6 +38,7 @@ forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 
@@ -91,6 +92,15 @@ def _jax_device_kind(device: torch.device) -> None:
   if not _jax_has_gpu():
     raise RuntimeError(f"tensors are on {device} but jax has no GPU backend; "
                        "install a CUDA build of jax (jaxattn[gpu])")
+
+
+def _jax_device(device: torch.device):
+  """A context in which jax computes on ``device``'s kind: the CPU for CPU
+  tensors even where jax's default backend is a GPU (so that no GPU kernel
+  is picked for arrays that live on the CPU)."""
+  if device.type == "cpu":
+    return jax.default_device(jax.devices("cpu")[0])
+  return contextlib.nullcontext()
 
 
 def _import_tensor(tensor: torch.Tensor):
@@ -314,12 +324,13 @@ def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,
       _import_tensor(attn_mask)
   if kv_lens is not None:
     kv_lens = np.asarray(torch.as_tensor(kv_lens).cpu())
-  return _run(tuple(qkv), mask_array, kv_lens, qkv_meta=tuple(qkv_meta),
-              mask_meta=mask_meta, layout=layout, method=method,
-              implementation=implementation,
-              scale=None if sm_scale is None else float(sm_scale),
-              is_causal=bool(is_causal), options=_freeze(options),
-              return_residual=need_lse)
+  with _jax_device(q.device):
+    return _run(tuple(qkv), mask_array, kv_lens, qkv_meta=tuple(qkv_meta),
+                mask_meta=mask_meta, layout=layout, method=method,
+                implementation=implementation,
+                scale=None if sm_scale is None else float(sm_scale),
+                is_causal=bool(is_causal), options=_freeze(options),
+                return_residual=need_lse)
 
 
 _SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
@@ -379,11 +390,12 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, layout,
   mask_array, mask_meta = (None, None) if attn_mask is None else \
       _import_tensor(attn_mask)
   lens = None if kv_lens is None else np.asarray(kv_lens.cpu())
-  grads = _run_backward(
-      tuple(arrays[:3]), mask_array, lens, _import_tensor(lse)[0], arrays[3],
-      qkv_meta=tuple(metas[:3]), mask_meta=mask_meta, dout_meta=metas[3],
-      layout=layout, scale=sm_scale, is_causal=is_causal,
-      on_gpu=q.device.type == "cuda")
+  with _jax_device(q.device):
+    grads = _run_backward(
+        tuple(arrays[:3]), mask_array, lens, _import_tensor(lse)[0],
+        arrays[3], qkv_meta=tuple(metas[:3]), mask_meta=mask_meta,
+        dout_meta=metas[3], layout=layout, scale=sm_scale,
+        is_causal=is_causal, on_gpu=q.device.type == "cuda")
   dbias = (q.new_empty((0,)) if grads[3] is None
            else _export_array(grads[3]))
   return (*(_export_array(g) for g in grads[:3]), dbias)

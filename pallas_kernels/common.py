@@ -29,10 +29,20 @@ class KernelParams:
   num_stages: int
 
 
+def default_device():
+  """The device jax computes on by default here: ``jax.default_device``'s
+  where one is in effect (the PyTorch shim sets the CPU for CPU tensors on
+  a GPU host), else the default backend's first."""
+  device = jax.config.jax_default_device
+  if isinstance(device, str):
+    return jax.devices(device)[0]
+  return device if device is not None else jax.devices()[0]
+
+
 def has_gpu() -> bool:
-  """jax's default backend is a GPU."""
+  """jax computes on a GPU by default here (:func:`default_device`)."""
   try:
-    return jax.devices()[0].platform == "gpu"
+    return default_device().platform == "gpu"
   except RuntimeError:
     return False
 
@@ -40,7 +50,7 @@ def has_gpu() -> bool:
 def is_hopper() -> bool:
   """A compute capability 9.x GPU (H100, H200): the Mosaic kernel's target."""
   return has_gpu() and str(
-      getattr(jax.devices()[0], "compute_capability", "")).startswith("9")
+      getattr(default_device(), "compute_capability", "")).startswith("9")
 
 
 def interpret() -> bool:

@@ -50,6 +50,18 @@ def sdpa(q, k, v, **kw):
   return F.scaled_dot_product_attention(q, k, v, enable_gqa=True, **kw)
 
 
+@pytest.fixture(autouse=True)
+def _jax_on_the_cpu(request):
+  """The CPU tensors' results (computed on jax's CPU device, as the shim
+  does for CPU tensors) compare with jax's on the CPU too: on a GPU host
+  jax's default device is the GPU, whose float32 products are TF32."""
+  if "gpu" in request.keywords:
+    yield
+    return
+  with jax.default_device(jax.devices("cpu")[0]):
+    yield
+
+
 # SDPA float32 vs jaxattn "fp32": measured max |diff| 2.4e-7 at these shapes.
 SDPA_ATOL = 2e-6
 
@@ -329,3 +341,55 @@ def test_errors():
     jt.attention(q, k, v, key_value_seq_lengths=[3, 25])
   with pytest.raises(ValueError, match="must be a multiple of key/value heads"):
     jt.attention(q[:, :3], k, v, **REF)
+
+
+@pytest.mark.gpu
+def test_cuda_compiled_sageattn_module_matches_eager_and_trains():
+  """On a GPU, CUDA tensors: a module calling ``sageattn`` compiled with
+  ``torch.compile(fullgraph=True)`` equals eager, its gradients are within
+  the method's error of float32 SDPA's, and a few steps of SGD on it lower
+  the loss."""
+  if not torch.cuda.is_available():
+    pytest.fail("jax sees a GPU but torch does not")
+  torch.manual_seed(0)
+
+  class Block(torch.nn.Module):
+    def __init__(self, dim=256, heads=4):
+      super().__init__()
+      self.heads = heads
+      self.qkv = torch.nn.Linear(dim, 3 * dim)
+      self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+      b, t, c = x.shape
+      q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).unbind(2)
+      o = jt.sageattn(q, k, v, tensor_layout="NHD", is_causal=True)
+      return self.proj(o.reshape(b, t, c))
+
+  block = Block().cuda().half()
+  x = torch.randn(2, 512, 256, device="cuda", dtype=torch.float16)
+  target = torch.randn_like(x)
+  compiled = torch.compile(block, fullgraph=True)
+  eager_out, compiled_out = block(x), compiled(x)
+  torch.testing.assert_close(compiled_out, eager_out, rtol=0, atol=0)
+
+  q, k, v = (torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.float16,
+                         requires_grad=True) for _ in range(3))
+  w = torch.randn(2, 8, 512, 64, device="cuda", dtype=torch.float16)
+  got = torch.autograd.grad((jt.sageattn(q, k, v, is_causal=True).float()
+                             * w).sum(), (q, k, v))
+  ref = F.scaled_dot_product_attention(*(x.float() for x in (q, k, v)),
+                                       is_causal=True)
+  want = torch.autograd.grad((ref * w).sum(), (q, k, v))
+  for a, b in zip(got, want):   # the exact gradient at the inputs
+    assert float((a.float() - b).norm() / b.norm()) < 1e-2
+
+  opt = torch.optim.SGD(block.parameters(), lr=0.05)
+  losses = []
+  for _ in range(5):
+    opt.zero_grad()
+    loss = torch.nn.functional.mse_loss(compiled(x).float(), target.float())
+    loss.backward()
+    opt.step()
+    losses.append(float(loss))
+  assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
