@@ -196,6 +196,11 @@ def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
   on_gpu = triton.native()
   path = grad.backward_path(q.dtype, q.shape[-1], bias is not None,
                             mask is not None, on_gpu)
+  # cuDNN's backward from the forward's residuals where the output is exact
+  # and the kernel keeps its log-sum-exp (no second forward)
+  keep_output = (path == "cudnn" and methods.get(method).output_is_exact
+                 and BACKENDS[implementation].ADAPTERS[method].run_lse
+                 is not None and grad.cudnn_residual_reason() is None)
 
   @jax.custom_vjp
   def attend(q, k, v, bias, mask, kv_lens):
@@ -204,17 +209,19 @@ def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
     return (out, lse) if return_residual else out
 
   def attend_fwd(q, k, v, bias, mask, kv_lens):
-    out, lse = _forward(q, k, v, bias, mask, kv_lens,
-                        with_lse=return_residual or path == "xla", **static)
+    out, lse = _forward(
+        q, k, v, bias, mask, kv_lens,
+        with_lse=return_residual or path == "xla" or keep_output, **static)
     primal = (out, lse) if return_residual else out
-    return primal, (q, k, v, bias, mask, kv_lens, lse)
+    return primal, (q, k, v, bias, mask, kv_lens, lse,
+                    out if keep_output else None)
 
   def attend_bwd(res, cotangent):
-    q, k, v, bias, mask, kv_lens, lse = res
+    q, k, v, bias, mask, kv_lens, lse, out = res
     dout = cotangent[0] if return_residual else cotangent  # lse: no gradient
     return (*grad.attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout,
                                 scale=scale, is_causal=is_causal,
-                                on_gpu=on_gpu), None, None)
+                                on_gpu=on_gpu, out=out), None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)
   return attend(q, k, v, bias, mask, kv_lens)
@@ -254,14 +261,18 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       scores, float32 ``[B, T, N]`` (natural log; jax.nn's value
       ``-0.7 * float32 max`` for a row that sees no key), as
       ``(output, lse)``.  It is the kernel's own where the kernel computes
-      it (the Triton "fp32", "fp16_fp32", "fp16" and "pasa" kernels), else
-      that of the float32 scores (one more forward pass).
+      it (the Triton "fp32", "fp16_fp32", "fp16" and "pasa" kernels, the
+      Mosaic "fp32" kernel), else that of the float32 scores (one more
+      forward pass).
     **options: the method's options (its configuration dataclass fields);
       unknown ones raise ``TypeError``.
 
   Differentiable: the gradient is the exact gradient of attention at the
   inputs (straight through the quantization), from cuDNN's backward on a GPU
-  where it takes the call, else from :func:`jaxattn.grad.xla_vjp`.
+  where it takes the call (from the forward's output and log-sum-exp for
+  ``method="fp32"``; after a second, cuDNN, forward for the quantized
+  methods, whose output is not exact), else from
+  :func:`jaxattn.grad.xla_vjp`.
 
   Returns:
     ``[B, T, N, H]`` in the query dtype.  Rows that see no key are zero;

@@ -3,7 +3,7 @@ the GPU, and writes the results as JSON (``--out``) and PNG plots (``--plot``).
 
     python -m jaxattn bench [--shapes 2x32x8192x128,...] [--methods ...]
         [--causal both|yes|no] [--out benchmarks/results/NAME.json]
-        [--plot DIR]
+        [--plot DIR] [--backward]
     python -m jaxattn bench --plot DIR --from-json FILE...   (no GPU needed)
 
 (``python benchmarks/bench.py`` is the same command.)  Peers: cuDNN through
@@ -11,7 +11,10 @@ the GPU, and writes the results as JSON (``--out``) and PNG plots (``--plot``).
 reference point of every ratio) and float16, jax's own Pallas attention
 (``jax.experimental.pallas.ops.gpu.attention.mha``), and, where they import,
 SageAttention's Triton kernels (torch) and tokamax.  FLOPs are
-``4 B H Sq Skv D`` (halved for causal).  Times are the median over ``--reps``
+``4 B H Sq Skv D`` (halved for causal).  ``--backward`` times
+``jax.value_and_grad`` of each JAX row (forward plus backward, FLOPs 3.5x
+the forward's) against cuDNN bf16's, without the error columns.  Times are
+the median over ``--reps``
 timed groups of ``--iters`` back-to-back calls after warm-up, synchronised on
 the device.
 
@@ -266,15 +269,18 @@ def torch_methods(causal):
   return out
 
 
-def method_jobs(causal, d, names):
+def method_jobs(causal, d, names, backward=False):
   """``[(name, kind, job)]`` of the methods to time, in the JSON's order:
   kind "jax" (job: dtype, fn), "kernel" (setup(q, k, v) -> (fn, args)) or
-  "torch" (fn).
+  "torch" (fn); with ``backward`` the "jax" ones only.
   ``names`` empty means all; the reference is always included."""
   def wanted(name):
     return not names or name in names or name == REFERENCE
-  return ([(n, "jax", j) for n, j in jax_methods(causal, d).items()
-           if wanted(n)]
+  jax_jobs = [(n, "jax", j) for n, j in jax_methods(causal, d).items()
+              if wanted(n)]
+  if backward:
+    return jax_jobs
+  return (jax_jobs
           + [(n, "kernel", j) for n, j in kernel_alone(causal, d).items()
              if wanted(n)]
           + [(n, "kernel", j) for n, j in quantizers_alone(d).items()
@@ -283,13 +289,24 @@ def method_jobs(causal, d, names):
              if wanted(n)])
 
 
+def _with_gradient(fn):
+  """``value_and_grad`` of ``sum(fn(q, k, v) * w)`` in q, k, v."""
+  def loss(q, k, v, w):
+    return jnp.sum(fn(q, k, v).astype(jnp.float32) * w)
+  return jax.value_and_grad(loss, argnums=(0, 1, 2))
+
+
 def bench_shape(shape, causal, names, iters, reps, log, progress=None,
-                with_accuracy=True):
+                with_accuracy=True, backward=False):
   """``{name: {ms, tflops, [temp_bytes], ratio_vs_cudnn_bf16, [cos_sim,
   rel_l2]} or {error}}`` of every selected method on one shape (the error
-  against float32 of the end-to-end rows with ``with_accuracy``)."""
+  against float32 of the end-to-end rows with ``with_accuracy``; forward
+  plus backward with ``backward``)."""
   b, h, s, d = shape
   flops = 4 * b * h * s * s * d * (0.5 if causal else 1.0)
+  if backward:
+    flops *= 3.5
+    with_accuracy = False
   key = jax.random.key(0)
   kq, kk, kv = jax.random.split(key, 3)
   base = {dt: [jax.random.normal(x, (b, s, h, d), jnp.float32).astype(dt)
@@ -298,13 +315,15 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None,
   torch_inputs = None
   acc_inputs = accuracy_inputs(shape) if with_accuracy else None
   rows = {}
-  for name, kind, job in method_jobs(causal, d, names):
+  cotangent = jax.random.normal(key, (b, s, h, d), jnp.float32)
+  for name, kind, job in method_jobs(causal, d, names, backward):
     try:
       if kind == "jax":
         dt, fn = job
-        f = jax.jit(fn)
-        t = time_call(f, base[dt], iters, reps)
-        mem = f.lower(*base[dt]).compile().memory_analysis()
+        f = jax.jit(_with_gradient(fn) if backward else fn)
+        args = (*base[dt], cotangent) if backward else base[dt]
+        t = time_call(f, args, iters, reps)
+        mem = f.lower(*args).compile().memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", None)
         rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
         if with_accuracy:
@@ -523,6 +542,8 @@ def main(argv=None, prog="python -m jaxattn bench"):
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--out", default="")
   p.add_argument("--log", default=os.devnull)
+  p.add_argument("--backward", action="store_true",
+                 help="time forward plus backward (jax.value_and_grad)")
   p.add_argument("--no-accuracy", action="store_true",
                  help="skip the error against float32 of the end-to-end rows")
   p.add_argument("--plot", default="", metavar="DIR",
@@ -556,16 +577,17 @@ def main(argv=None, prog="python -m jaxattn bench"):
   shapes = parse_shapes(a.shapes)
   dev = jax.devices()[0]
   meta = dict(device=getattr(dev, "device_kind", str(dev)),
-              jax=jax.__version__, date=datetime.datetime.now().isoformat(),
+              jax=jax.__version__, backward=a.backward, date=datetime.datetime.now().isoformat(),
               host=platform.node())
-  progress = Progress(sum(len(method_jobs(c, s[3], names))
+  progress = Progress(sum(len(method_jobs(c, s[3], names, a.backward))
                           for s in shapes for c in causals))
   results = []
   with open(a.log, "a") as log:
     for shape in shapes:
       for causal in causals:
         rows = bench_shape(shape, causal, names, a.iters, a.reps, log,
-                           progress, with_accuracy=not a.no_accuracy)
+                           progress, with_accuracy=not a.no_accuracy,
+                           backward=a.backward)
         results.append(dict(shape=shape, causal=causal, rows=rows))
         progress.write(format_rows(shape, causal, rows))
   progress.close()

@@ -15,16 +15,17 @@ product), not taken from the forward: a quantized method's output would
 put its error into ``delta`` and from there into every ``dQ`` and ``dK``
 (2-3% for sage and fp8, measured), where the exact ``O`` gives the exact
 gradient at the inputs.  :func:`backward_path` picks the fastest way that
-fits the call: cuDNN's backward through
-``jax.nn.dot_product_attention(implementation="cudnn")`` on a GPU where
-cuDNN takes the call (it recomputes its own forward for the residual); the
-Pallas Triton backward (:func:`pallas_vjp`) for other GPU calls without a
-bias or dense mask, once :data:`TRITON_BACKWARD_ON_GPU` is set; else the
-XLA form (:func:`xla_vjp`), in blocks of query rows.
+fits the call: cuDNN's backward on a GPU where cuDNN takes the call, from
+the forward's output and log-sum-exp where the method's are exact
+(:func:`cudnn_residual_vjp`), else after cuDNN's own forward
+(:func:`cudnn_vjp`); the Pallas Triton backward (:func:`pallas_vjp`) for
+other GPU calls without a bias or dense mask (float32 inputs, head dims
+above 128); else the XLA form (:func:`xla_vjp`), in blocks of query rows.
 """
 from __future__ import annotations
 
 import functools
+import inspect
 import logging
 
 import jax
@@ -43,12 +44,22 @@ MASK_VALUE = float(np.float32(-0.7 * np.finfo(np.float32).max))
 # temporaries)
 XLA_ROWS = 512
 # (block_q, block_k, num_warps, num_stages) of the Triton backward by padded
-# head dim: not tuned on a GPU yet
+# head dim (correct on an H100; not tuned: at 2x8192x32x128 bfloat16 it
+# takes 21 ms where cuDNN's backward takes 14)
 _BACKWARD_TILES = {64: (64, 64, 4, 2), 128: (64, 64, 4, 2),
                    256: (32, 32, 8, 1)}
-# The Triton backward has run in interpret mode only: until it has run on a
-# GPU, backward_path keeps those calls on the XLA form.
-TRITON_BACKWARD_ON_GPU = False
+# cuDNN's backward from our residuals binds jax's private cuDNN module
+# (jax._src.cudnn.fused_attention_stablehlo): the versions tested, and the
+# parameters of its backward rule in each (the residual tuple follows them).
+CUDNN_RESIDUAL_JAX = ("0.11", "0.12")
+_CUDNN_BWD_RULES = {
+    ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+     "sliding_window_length", "is_training", "return_residual", "res",
+     "grad_output"): "0.11",
+    ("scale", "seed", "dropout_rate", "variadic_args", "mask_type", "layout",
+     "sliding_window_length", "score_mod", "cudnn_version", "return_residual",
+     "res", "grad_output"): "0.12",
+}
 logger = logging.getLogger("jaxattn")
 
 
@@ -215,6 +226,64 @@ def cudnn_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
   return tuple(jnp.where(has_keys, x, 0) for x in (dq, dk, dv))
 
 
+@functools.lru_cache(maxsize=1)
+def _cudnn_contract() -> tuple[str | None, str]:
+  """(the contract of jax's private cuDNN backward, or None; why not)."""
+  version = ".".join(jax.__version__.split(".")[:2])
+  if version not in CUDNN_RESIDUAL_JAX:
+    return None, (f"jax {jax.__version__} is not among the versions whose "
+                  f"private cuDNN backward was tested {CUDNN_RESIDUAL_JAX}")
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    params = tuple(inspect.signature(
+        fa._dot_product_attention_bwd_rule).parameters)
+  except (ImportError, AttributeError) as e:
+    return None, f"jax's private cuDNN module moved ({e})"
+  contract = _CUDNN_BWD_RULES.get(params)
+  if contract is None:
+    return None, f"jax's cuDNN backward rule changed: {params}"
+  return contract, ""
+
+
+def cudnn_residual_reason() -> str | None:
+  """Why cuDNN's backward cannot take the forward's residuals with this
+  jax (then :func:`cudnn_vjp` recomputes them), or None."""
+  contract, why = _cudnn_contract()
+  return None if contract else why
+
+
+def cudnn_residual_vjp(q, k, v, kv_lens, out, lse, dout, *, scale, is_causal):
+  """``(dq, dk, dv)`` from cuDNN's backward kernel alone, with the
+  forward's output ``out`` ``[B, T, N, D]`` and log-sum-exp ``lse``
+  (float32 ``[B, T, N]``, natural log: cuDNN's softmax statistics) as its
+  residuals, where :func:`cudnn_vjp` would run cuDNN's forward again.
+  Binds jax's private cuDNN backward rule as jax.nn's own VJP does
+  (:func:`cudnn_residual_reason` must be None)."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  contract, why = _cudnn_contract()
+  if contract is None:
+    raise NotImplementedError(why)
+  version = fa.check_cudnn_version()
+  layout = fa.AttentionLayout.BTNH.value
+  dt = q.dtype
+  fa.check_is_flash_attention(q, k, v.astype(dt), layout, version, False, True)
+  unused = jnp.zeros(0, dt)
+  b, t = q.shape[:2]
+  mask_type = fa.MaskType.PADDING_CAUSAL if is_causal else fa.MaskType.PADDING
+  head = (q, k, v.astype(dt), unused, jnp.full((b,), t, jnp.int32),
+          kv_lens.astype(jnp.int32), unused, unused, unused, unused)
+  stats = (lse.astype(jnp.float32).transpose(0, 2, 1), out.astype(dt))
+  static = (float(scale), 0, 0.0, (False, False), mask_type, layout, None)
+  if contract == "0.11":   # (..., is_training, return_residual, res, dO)
+    grads = fa._dot_product_attention_bwd_rule(
+        *static, version, False, (*head, *stats), dout.astype(dt))
+  else:                    # (..., score_mod, cudnn_version, ...): flex args
+    grads = fa._dot_product_attention_bwd_rule(
+        *static, None, version, False, (*head, (), *stats), dout.astype(dt))
+  has_keys = (kv_lens > 0)[:, None, None, None]
+  return tuple(jnp.where(has_keys, x, 0) for x in grads[:3])
+
+
 def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
   """``(dq, dk, dv)`` float32 from the Triton backward kernels, with ``O``
   and the log-sum-exp from the flash kernel's ``"fp32"`` forward (so the
@@ -237,17 +306,19 @@ def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
   on a GPU without a bias or dense mask, else ``"xla"``."""
   if cudnn_reason(q_dtype, head_dim, has_bias, has_mask, on_gpu) is None:
     return "cudnn"
-  if on_gpu and TRITON_BACKWARD_ON_GPU and not has_bias and not has_mask:
+  if on_gpu and not has_bias and not has_mask:
     return "triton"
   return "xla"
 
 
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
-                  is_causal, on_gpu):
+                  is_causal, on_gpu, out=None):
   """``(dq, dk, dv, dbias)`` in the inputs' dtypes (dbias None without a
-  bias) by :func:`backward_path`: cuDNN's or the Triton backward (``lse``
-  unused, may be None) or :func:`xla_vjp`.  Where jax's cuDNN module refuses the call
-  after all (its own checks run at trace time), the XLA form runs, with the
+  bias) by :func:`backward_path`: cuDNN's backward (from ``out`` and
+  ``lse`` where both are given, the forward's exact output, else after its
+  own forward), the Triton backward (``lse`` unused, may be None) or
+  :func:`xla_vjp`.  Where jax's cuDNN module refuses the call after all
+  (its own checks run at trace time), the XLA form runs, with the
   log-sum-exp computed here if the forward did not keep it."""
   path = backward_path(q.dtype, q.shape[-1], bias is not None,
                        mask is not None, on_gpu)
@@ -257,8 +328,12 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
                          is_causal=is_causal), None)
   elif path == "cudnn":
     try:
-      grads = (*cudnn_vjp(q, k, v, kv_lens, dout, scale=scale,
-                          is_causal=is_causal), None)
+      if out is not None and lse is not None:
+        grads = (*cudnn_residual_vjp(q, k, v, kv_lens, out, lse, dout,
+                                     scale=scale, is_causal=is_causal), None)
+      else:
+        grads = (*cudnn_vjp(q, k, v, kv_lens, dout, scale=scale,
+                            is_causal=is_causal), None)
     except (ValueError, NotImplementedError, RuntimeError) as e:
       logger.info("jaxattn: cuDNN's backward refused the call (%s); "
                   "using the XLA backward", e)

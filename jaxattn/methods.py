@@ -27,17 +27,23 @@ class Method:
   as if non-finite input elements were 0, with NaN in exactly the rows they
   reach (:mod:`jaxattn.nonfinite`): inside the operand kernels where the
   backend's adapter flags the rows itself, else through one XLA pass.
+  ``output_is_exact``: the output and log-sum-exp are float attention's (to
+  the output dtype's rounding), so the backward may take them as its
+  residuals (cuDNN's backward without a second forward, :mod:`jaxattn.grad`);
+  a quantized method's would put its error into every dQ and dK.
   """
   name: str
   config_cls: type
   reference: Callable[..., Any]
   doc: str
   confine_nonfinite: bool = False
+  output_is_exact: bool = False
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("fp32", flash.FlashConfig, flash.reference("fp32"),
-           "float32 scores, softmax and accumulators (high precision)"),
+           "float32 scores, softmax and accumulators (high precision)",
+           output_is_exact=True),
     Method("fp16_fp32", flash.FlashConfig, flash.reference("fp16_fp32"),
            "float16 score matrix, the rest float32 (overflows)"),
     Method("fp16", flash.FlashConfig, flash.reference("fp16"),

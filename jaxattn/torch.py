@@ -183,14 +183,17 @@ def _sum_to(x, shape):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "qkv_meta", "mask_meta", "dout_meta", "layout", "scale", "is_causal",
-    "on_gpu"))
-def _run_backward(qkv, attn_mask, kv_lens, lse, dout, *, qkv_meta, mask_meta,
-                  dout_meta, layout, scale, is_causal, on_gpu):
+    "qkv_meta", "mask_meta", "dout_meta", "out_meta", "layout", "scale",
+    "is_causal", "on_gpu"))
+def _run_backward(qkv, attn_mask, kv_lens, lse, dout, out, *, qkv_meta,
+                  mask_meta, dout_meta, out_meta, layout, scale, is_causal,
+                  on_gpu):
   """``(dq, dk, dv, dbias)`` in the tensors' layout (dbias shaped like the
-  float ``attn_mask``, or None)."""
+  float ``attn_mask``, or None); ``out``, the forward's output, or None."""
   q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
   dout = _restore(dout, *dout_meta)
+  if out is not None:
+    out = _restore(out, *out_meta)
   bias, mask = _bias_and_mask(attn_mask, mask_meta)
   b, t, n, d = q.shape
   full = (b, n, t, k.shape[1])
@@ -204,7 +207,7 @@ def _run_backward(qkv, attn_mask, kv_lens, lse, dout, *, qkv_meta, mask_meta,
   scale = base.default_scale(d) if scale is None else scale
   dq, dk, dv, dbias = grad.attention_vjp(
       q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
-      scale=scale, is_causal=is_causal, on_gpu=on_gpu)
+      scale=scale, is_causal=is_causal, on_gpu=on_gpu, out=out)
   to_layout = lambda x: jnp.transpose(x, LAYOUTS[layout])
   return (to_layout(dq), to_layout(dk), to_layout(dv),
           None if dbias is None else _sum_to(dbias, bias_shape))
@@ -285,7 +288,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   need_lse = return_lse or (
       torch.is_grad_enabled()
       and any(x is not None and x.requires_grad for x in (q, k, v, attn_mask))
-      and _backward_path(q, attn_mask) == "xla")
+      and (_backward_path(q, attn_mask) == "xla"
+           or _keeps_output(q, attn_mask, method)))
   out, lse = torch.ops.jaxattn.attention(
       q, k, v, attn_mask, lens, tensor_layout, method, implementation,
       None if sm_scale is None else float(sm_scale), bool(is_causal),
@@ -309,6 +313,21 @@ def _backward_path(q, attn_mask) -> str:
   has_mask = attn_mask is not None and attn_mask.dtype == torch.bool
   return grad.backward_path(dtype, q.shape[-1], has_bias, has_mask,
                             on_gpu=q.device.type == "cuda")
+
+
+@torch.compiler.assume_constant_result
+def _cudnn_takes_residuals() -> bool:
+  """(A constant to ``torch.compile``: it inspects jax's cuDNN module.)"""
+  return grad.cudnn_residual_reason() is None
+
+
+def _keeps_output(q, attn_mask, method) -> bool:
+  """Whether the backward takes the forward's output and log-sum-exp as
+  cuDNN's residuals (an exact method on cuDNN's path), as
+  :func:`jaxattn.dot_product_attention` does."""
+  return (_backward_path(q, attn_mask) == "cudnn"
+          and jaxattn.methods.get(method).output_is_exact
+          and _cudnn_takes_residuals())
 
 
 def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,
@@ -371,19 +390,21 @@ def _attention_fake(q, k, v, attn_mask, kv_lens, layout, method,
 
 _BACKWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
-    "Tensor lse, Tensor dout, str layout, float? sm_scale, bool is_causal) "
+    "Tensor lse, Tensor dout, Tensor? out, str layout, float? sm_scale, "
+    "bool is_causal) "
     "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("jaxattn::attention_backward", mutates_args=(),
                          schema=_BACKWARD_SCHEMA)
-def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, layout,
-                           sm_scale, is_causal):
+def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, out,
+                           layout, sm_scale, is_causal):
   """``(dq, dk, dv, dbias)`` shaped like q, k, v and a float attn_mask
-  (an empty tensor without one)."""
+  (an empty tensor without one); ``out``, the forward's output as cuDNN's
+  residual, or None."""
   to_btnh = LAYOUTS[layout]
   arrays, metas = [], []
-  for x in (q, k, v, dout):
+  for x in (q, k, v, dout) + (() if out is None else (out,)):
     array, (axes, float8) = _import_tensor(x)
     arrays.append(array)
     metas.append((tuple(axes[i] for i in to_btnh), float8))
@@ -393,33 +414,37 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, layout,
   with _jax_device(q.device):
     grads = _run_backward(
         tuple(arrays[:3]), mask_array, lens, _import_tensor(lse)[0],
-        arrays[3], qkv_meta=tuple(metas[:3]), mask_meta=mask_meta,
-        dout_meta=metas[3], layout=layout, scale=sm_scale,
-        is_causal=is_causal, on_gpu=q.device.type == "cuda")
+        arrays[3], None if out is None else arrays[4],
+        qkv_meta=tuple(metas[:3]), mask_meta=mask_meta, dout_meta=metas[3],
+        out_meta=None if out is None else metas[4], layout=layout,
+        scale=sm_scale, is_causal=is_causal, on_gpu=q.device.type == "cuda")
   dbias = (q.new_empty((0,)) if grads[3] is None
            else _export_array(grads[3]))
   return (*(_export_array(g) for g in grads[:3]), dbias)
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, attn_mask, kv_lens, lse, dout, layout,
-                             sm_scale, is_causal):
+def _attention_backward_fake(q, k, v, attn_mask, kv_lens, lse, dout, out,
+                             layout, sm_scale, is_causal):
   has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
   return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
           torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):
-  q, k, v, attn_mask, kv_lens, layout, _, _, sm_scale, is_causal, _, _ = inputs
-  ctx.save_for_backward(q, k, v, attn_mask, kv_lens, output[1])
+  (q, k, v, attn_mask, kv_lens, layout, method, _, sm_scale, is_causal, _,
+   _) = inputs
+  keep = output[1].numel() > 0 and _keeps_output(q, attn_mask, method)
+  ctx.save_for_backward(q, k, v, attn_mask, kv_lens, output[1],
+                        output[0] if keep else None)
   ctx.static = (layout, sm_scale, is_causal)
   ctx.bias = attn_mask is not None and attn_mask.dtype != torch.bool
 
 
 def _backward(ctx, dout, _):
-  q, k, v, attn_mask, kv_lens, lse = ctx.saved_tensors
+  q, k, v, attn_mask, kv_lens, lse, out = ctx.saved_tensors
   dq, dk, dv, dbias = torch.ops.jaxattn.attention_backward(
-      q, k, v, attn_mask, kv_lens, lse, dout, *ctx.static)
+      q, k, v, attn_mask, kv_lens, lse, dout, out, *ctx.static)
   return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 8)
 
 

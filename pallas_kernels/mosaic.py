@@ -198,16 +198,34 @@ def _pasa_update(state, rows, pv_blk, *, inva):
           (keep(f_new, f), keep(jn, count)))
 
 
+def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
+  """The natural-log log-sum-exp of each row's scaled scores from the online
+  softmax's state: the running max ``m`` (base 2 where ``m_scaled``, else
+  in the units of the scores, times ``c``) and the sum ``l`` of the P the
+  kernel formed (in units of 1/448 for fp8 P, 1/127 for int8 P); ``-inf``
+  for a row that saw no key."""
+  f32 = jnp.float32
+  m = m.astype(f32)
+  if not m_scaled:
+    m = m * c
+  unit = {"fp8": FP8_MAX, "int8": 127.0}.get(pv, 1.0)
+  lse = m * math.log(2.0) + jnp.log(jnp.where(empty, 1.0, l.astype(f32)))
+  if unit != 1.0:
+    lse = lse - math.log(unit)
+  return jnp.where(empty, -jnp.inf, lse)
+
+
 def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
             block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
             has_qk_scales, has_qbias, bias_rows, has_vbs, has_epilogue,
-            p_in_smem, fused_pv, out_dtype, exact_exponent):
+            p_in_smem, fused_pv, out_dtype, exact_exponent, return_lse):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
-  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``.
+  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
+  with ``return_lse`` lse ``[B, N, T]`` float32.
   ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
   ``fl16(beta / (1 - beta))`` (:func:`_pasa_update`)."""
   refs = list(refs)
@@ -215,14 +233,15 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   qbias_ref = refs.pop(0) if has_qbias else None
   vbs_ref = refs.pop(0) if has_vbs else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
-  (out_ref,) = refs
+  out_ref, lse_ref = refs if return_lse else (*refs, None)
   bq, bk = block_q, block_k
   head_dim = q_ref.shape[-1]
   eight_bit_pv = pv in ("fp8", "int8")
   f32, f16 = jnp.float32, jnp.float16
 
   def body(scratch, barriers):
-    q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem = scratch
+    (q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem,
+     lse_smem2) = scratch
     if o_smem2 is None:  # O is written over Q (read by no wgmma by then)
       o_smem2 = q_smem2
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
@@ -271,6 +290,11 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
                               plgpu.Layout.WGMMA)
       pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
+      # the factor that takes scores to base 2 in the exponent
+      if has_qk_scales and not has_qbias:
+        exp_factor = q_scale
+      else:
+        exp_factor = 1.0 if has_qk_scales else c_scale
       acc_type = jnp.int32 if qk == "int8" else f32
       pv_type = jnp.int32 if pv == "int8" else f32
       plgpu.barrier_wait(q_bars.at[wg])
@@ -472,6 +496,13 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem,
                               out_ref.at[batch, pl.ds(q_base, bq), q_head])
+      if return_lse:
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
+                                     m_scaled=not exact_exponent)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(lse_smem,
+                                lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -522,6 +553,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       _smem((2, bq, bk), p_dtype) if p_in_smem else None,
       plgpu.SMEM((stages, bk), jnp.float32) if has_qk_scales else None,
       plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
+      plgpu.SMEM((2, bq), jnp.float32) if return_lse else None,
   ]
   barriers = (
       plgpu.Barrier(num_barriers=stages),
@@ -542,7 +574,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
                      out_shift=None, pasa_inva=None,
                      pasa_state_dtype=jnp.float16, v_keys_ordered=False,
-                     out_dtype=jnp.float16, exact_exponent=False):
+                     out_dtype=jnp.float16, exact_exponent=False,
+                     return_lse=False):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -569,7 +602,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       :func:`pallas_kernels.quantizers.key_order`
       (the quantizer wrote them so); otherwise they are permuted here when P
       comes from registers.
-  Returns: ``[B, T, N, D]`` in ``out_dtype``.
+    return_lse: also return the natural-log log-sum-exp of each row's
+      scaled scores as the online softmax formed them (float32 ``[B, N,
+      T]``, ``-inf`` for a row that sees no key; not with PASA).
+  Returns: ``[B, T, N, D]`` in ``out_dtype``, and with ``return_lse`` the
+  log-sum-exp.
 
   A head dim below 64, or between 64 and 128, is zero-padded to the next
   of :data:`HEAD_DIMS`: zero channels add nothing to ``Q K^T`` and give
@@ -621,6 +658,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     args += [pad(x.astype(jnp.float32), 2, d_tile)
              for x in (out_scale, out_shift)]
   pasa = pasa_inva is not None
+  if pasa and return_lse:
+    raise ValueError("the PASA kernel does not return the log-sum-exp")
   if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
                    == jnp.float16):
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
@@ -634,15 +673,21 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       has_vbs=v_block_scale is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,
       fused_pv=pv == "fp16" and not p_in_smem and not pasa,
-      out_dtype=out_dtype, exact_exponent=exact_exponent)
+      out_dtype=out_dtype, exact_exponent=exact_exponent,
+      return_lse=return_lse)
+  out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
+  if return_lse:
+    out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
   out = plgpu.kernel(
       kernel,
-      out_type=jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype),
+      out_type=out_type,
       grid=(n, t_pad // (2 * bq), b),
       grid_names=("heads", "q_seq", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,
   )(*args)
+  if return_lse:
+    return out[0][:, :t, :, :d], out[1][:, :, :t]
   return out[:, :t, :, :d]
 

@@ -221,3 +221,55 @@ def test_huge_scores_take_the_exact_exponent():
   assert bool(jnp.isfinite(out).all())
   ref = jaxattn.dot_product_attention(q, q, v, implementation="reference")
   assert bool(jnp.isfinite(ref).all())
+
+
+@pytest.mark.parametrize("qk,pv,exact", [("fp16", "fp16", False),
+                                         ("fp16", "fp16", True),
+                                         ("int8", "int8", False),
+                                         ("fp8", "fp8", True)])
+def test_mosaic_log_sum_exp(qk, pv, exact):
+  """The kernel's log-sum-exp (``return_lse``, the residual of the
+  backward) against that of the scores it computes (16-bit, or the
+  dequantized 8-bit operands), in natural log, for every operand type and
+  both exponents: causal, a batch row with 70 keys and one with none, a
+  query length that is not a multiple of the tile.  8-bit P sums rounded
+  probabilities: e4m3 P is off by ~1%, and round(127 p) drops every p below
+  1/254, so int8 P's l of a spread-out row runs several % low (0.065 in the
+  log measured here; a wrong unit, log 127 or log 448, would be 4.8 or
+  6.1)."""
+  from jaxattn import grad
+  from pallas_kernels import mosaic
+  b, t, s, n, d = 3, 150, 200, 2, 64
+  ks = jax.random.split(jax.random.key(4), 3)
+  q = jax.random.normal(ks[0], (b, t, n, d), jnp.float32)
+  k = 2.0 * jax.random.normal(ks[1], (b, s, 1, d), jnp.float32)
+  lens = jnp.asarray([200, 70, 0], jnp.int32)
+  scale = d ** -0.5
+  kw = dict(is_causal=True, exact_exponent=exact, return_lse=True)
+  if qk == "fp16":
+    q, k = q.astype(jnp.float16), k.astype(jnp.float16)
+    v = jnp.zeros((b, s, 1, d), jnp.float16)
+    _, lse = mosaic.mosaic_attention(q, k, v, lens, qk=qk, pv=pv,
+                                     scale=scale, **kw)
+    tol = 1e-5
+  else:   # one scale per token, scale * log2 e folded into Q's
+    dt, top = ((jnp.int8, 127.0) if qk == "int8"
+               else (jnp.float8_e4m3fn, 448.0))
+    q_scale = jnp.max(jnp.abs(q), axis=-1) / top
+    k_scale = jnp.max(jnp.abs(k), axis=-1) / top
+    cast = lambda x, sc: (jnp.round(x / sc[..., None]) if qk == "int8"
+                          else x / sc[..., None]).astype(dt)
+    q8, k8 = cast(q, q_scale), cast(k, k_scale)
+    q = q8.astype(jnp.float32) * q_scale[..., None]
+    k = k8.astype(jnp.float32) * k_scale[..., None]
+    v = jnp.zeros((b, 1, d, s), jnp.int8 if pv == "int8" else dt)
+    _, lse = mosaic.mosaic_attention(
+        q8, k8, v, lens, qk=qk, pv=pv, q_scale=q_scale * (scale * np.log2(
+            np.e)), k_scale=k_scale, **kw)
+    tol = 2e-2 if pv == "fp8" else 0.1
+  want = grad.logsumexp(q, k, None, None, lens, scale=scale,
+                        is_causal=True).transpose(0, 2, 1)
+  assert lse.shape == (b, n, t) and lse.dtype == jnp.float32
+  assert np.all(np.isneginf(np.asarray(lse[2])))     # no key: -inf
+  err = float(jnp.max(jnp.abs(lse[:2] - want[:2])))
+  assert err < tol, err

@@ -105,7 +105,8 @@ def _exact_when_needed(kernel, score_bound):
                   functools.partial(kernel, exact_exponent=True))
 
 
-def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          return_lse=False):
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
   amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -113,7 +114,7 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   return _exact_when_needed(functools.partial(
       mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
-      out_dtype=q.dtype), bound)
+      out_dtype=q.dtype, return_lse=return_lse), bound)
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
@@ -160,7 +161,8 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
 
 
 ADAPTERS = {
-    "fp32": Adapter(run=_fp32, check=_check_fp32),
+    "fp32": Adapter(run=_fp32, check=_check_fp32,
+                    run_lse=functools.partial(_fp32, return_lse=True)),
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage),
