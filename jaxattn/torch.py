@@ -35,6 +35,14 @@ call instead of tracing DLPack.  Its backward is the operator
 (:func:`jaxattn.grad.attention_vjp`: the exact gradient of attention at the
 inputs, straight through the quantization) on the saved inputs and the
 forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
+
+CUDA streams: nothing synchronises the device.  ``jax.dlpack.from_dlpack``
+passes jax's stream to the tensor's ``__dlpack__``, and torch makes that
+stream wait for its current stream (an event), so jax reads the inputs
+after the torch work that wrote them; ``torch.from_dlpack`` passes torch's
+current stream to the jax array's ``__dlpack__``, and jax makes it wait
+until the result is ready.  Calls are therefore ordered on whichever torch
+stream is current (``with torch.cuda.stream(s):``).
 """
 from __future__ import annotations
 

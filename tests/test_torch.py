@@ -393,3 +393,29 @@ def test_cuda_compiled_sageattn_module_matches_eager_and_trains():
     opt.step()
     losses.append(float(loss))
   assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+
+
+@pytest.mark.gpu
+def test_cuda_stream_order_without_synchronising():
+  """On a GPU: inputs written by a long chain of kernels on a side torch
+  stream, the call on that stream and the output read there, with no
+  synchronisation in between, equal the same call after a full
+  synchronisation (jax waits for torch's stream, torch for jax's result).
+  Repeated, since a missing wait is a race."""
+  if not torch.cuda.is_available():
+    pytest.fail("jax sees a GPU but torch does not")
+  side = torch.cuda.Stream()
+  base = torch.randn(2, 4, 1024, 64, device="cuda")
+  torch.cuda.synchronize()
+  for trial in range(5):
+    with torch.cuda.stream(side):
+      q = base.clone()
+      for _ in range(200):          # ~ms of queued work before q is final
+        q = q * 1.0001 + 1e-4
+      q = (q + trial).half()
+      k, v = q.flip(2), q.flip(3)
+      out = jt.attention(q, k, v, method="fp32", is_causal=True) * 2.0
+    torch.cuda.synchronize()
+    want = jt.attention(q, k, v, method="fp32", is_causal=True) * 2.0
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
