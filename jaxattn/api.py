@@ -172,13 +172,8 @@ def _forward(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
     return out, None
   if not with_lse:
     return out.astype(q.dtype), None
-  if triton.native():
-    lse = grad.as_residual(triton.logsumexp(
-        q, k, bias, mask, kv_lens, scale=scale,
-        is_causal=is_causal).transpose(0, 2, 1))
-  else:
-    lse = grad.logsumexp(q, k, bias, mask, kv_lens, scale=scale,
-                         is_causal=is_causal)
+  lse = grad.float_logsumexp(q, k, bias, mask, kv_lens, scale=scale,
+                             is_causal=is_causal, on_gpu=triton.native())
   return out.astype(q.dtype), lse
 
 
@@ -196,11 +191,11 @@ def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
   on_gpu = triton.native()
   path = grad.backward_path(q.dtype, q.shape[-1], bias is not None,
                             mask is not None, on_gpu)
-  # cuDNN's backward from the forward's residuals where the output is exact
-  # and the kernel keeps its log-sum-exp (no second forward)
-  keep_output = (path == "cudnn" and methods.get(method).output_is_exact
+  # the backward kernel from the forward's residuals where the output is
+  # exact and the kernel keeps its log-sum-exp (no second forward)
+  keep_output = (grad.takes_residuals(path, method)
                  and BACKENDS[implementation].ADAPTERS[method].run_lse
-                 is not None and grad.cudnn_residual_reason() is None)
+                 is not None)
 
   @jax.custom_vjp
   def attend(q, k, v, bias, mask, kv_lens):

@@ -577,8 +577,8 @@ def main(argv=None, prog="python -m jaxattn bench"):
   shapes = parse_shapes(a.shapes)
   dev = jax.devices()[0]
   meta = dict(device=getattr(dev, "device_kind", str(dev)),
-              jax=jax.__version__, backward=a.backward, date=datetime.datetime.now().isoformat(),
-              host=platform.node())
+              jax=jax.__version__, backward=a.backward,
+              date=datetime.datetime.now().isoformat(), host=platform.node())
   progress = Progress(sum(len(method_jobs(c, s[3], names, a.backward))
                           for s in shapes for c in causals))
   results = []

@@ -34,6 +34,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jaxattn import methods
 from pallas_kernels import common, flash, flash_backward
 
 # jax.nn's value for a masked logit (its _apply_masks), so that a row that
@@ -143,6 +144,22 @@ def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
                         _split_rows(bias, 2, n, rows),
                         _split_rows(mask, 2, n, rows)))
   return _join_rows(lse, 2, t).transpose(0, 2, 1)
+
+
+def float_logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
+                    on_gpu):
+  """The residual ``[B, T, N]`` (as :func:`logsumexp`) of the float32
+  scores for a forward that did not keep one: on a GPU from the Triton
+  flash kernel (a forward pass whose output is dropped, K standing in for
+  V), else :func:`logsumexp`."""
+  if not on_gpu:
+    return logsumexp(q, k, bias, mask, kv_lens, scale=scale,
+                     is_causal=is_causal)
+  _, lse = flash.flash_attention(
+      q, k, k, kv_lens, bias, mask, scale=scale, is_causal=is_causal,
+      precision="fp32", params=flash.default_params("fp32", q.shape[-1]),
+      return_lse=True)
+  return as_residual(lse.transpose(0, 2, 1))
 
 
 def as_residual(lse):
@@ -284,21 +301,38 @@ def cudnn_residual_vjp(q, k, v, kv_lens, out, lse, dout, *, scale, is_causal):
   return tuple(jnp.where(has_keys, x, 0) for x in grads[:3])
 
 
-def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal):
+def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal, out=None,
+               lse=None):
   """``(dq, dk, dv)`` float32 from the Triton backward kernels, with ``O``
-  and the log-sum-exp from the flash kernel's ``"fp32"`` forward (so the
+  and the log-sum-exp ``[B, T, N]`` of an exact forward: ``out`` and
+  ``lse`` where given, else the flash kernel's ``"fp32"`` forward (so the
   gradient is attention's at the inputs, whatever the method's forward)."""
   d = q.shape[-1]
-  out, lse = flash.flash_attention(
-      q, k, v, kv_lens, scale=scale, is_causal=is_causal, precision="fp32",
-      params=flash.default_params("fp32", d), return_lse=True)
-  lse = jnp.where(jnp.isfinite(lse), lse, 0.0)    # rows with no key: P = 0
+  if out is None or lse is None:
+    out, lse = flash.flash_attention(
+        q, k, v, kv_lens, scale=scale, is_causal=is_causal,
+        precision="fp32", params=flash.default_params("fp32", d),
+        return_lse=True)
+  else:
+    lse = lse.transpose(0, 2, 1)
+  # rows with no key (-inf, or jax.nn's MASK_VALUE): P = 0 there anyway
+  lse = jnp.where(jnp.isfinite(lse) & (lse > MASK_VALUE), lse, 0.0)
   delta = jnp.sum(dout.astype(jnp.float32) * out.astype(jnp.float32),
                   axis=-1).transpose(0, 2, 1)
   tiles = _BACKWARD_TILES[min(max(pl.next_power_of_2(d), 64), 256)]
   return flash_backward.flash_backward(
       q, k, v, kv_lens, lse, delta, dout.astype(q.dtype), scale=scale,
       is_causal=is_causal, params=common.KernelParams(*tiles))
+
+
+def takes_residuals(path: str, method: str) -> bool:
+  """Whether the backward on ``path`` takes the forward's output and
+  log-sum-exp (``method``'s output is exact; cuDNN's only with a jax whose
+  private backward was tested) instead of computing its own."""
+  if not methods.get(method).output_is_exact:
+    return False
+  return path == "triton" or (path == "cudnn"
+                              and cudnn_residual_reason() is None)
 
 
 def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
@@ -314,10 +348,9 @@ def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
                   is_causal, on_gpu, out=None):
   """``(dq, dk, dv, dbias)`` in the inputs' dtypes (dbias None without a
-  bias) by :func:`backward_path`: cuDNN's backward (from ``out`` and
-  ``lse`` where both are given, the forward's exact output, else after its
-  own forward), the Triton backward (``lse`` unused, may be None) or
-  :func:`xla_vjp`.  Where jax's cuDNN module refuses the call after all
+  bias) by :func:`backward_path`: cuDNN's or the Triton backward (from
+  ``out`` and ``lse`` where both are given, the forward's exact output,
+  else after their own forward) or :func:`xla_vjp`.  Where jax's cuDNN module refuses the call after all
   (its own checks run at trace time), the XLA form runs, with the
   log-sum-exp computed here if the forward did not keep it."""
   path = backward_path(q.dtype, q.shape[-1], bias is not None,
@@ -325,7 +358,8 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
   grads = None
   if path == "triton":
     grads = (*pallas_vjp(q, k, v, kv_lens, dout, scale=scale,
-                         is_causal=is_causal), None)
+                         is_causal=is_causal, out=out,
+                         lse=None if out is None else lse), None)
   elif path == "cudnn":
     try:
       if out is not None and lse is not None:
@@ -339,8 +373,8 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
                   "using the XLA backward", e)
   if grads is None:
     if lse is None:
-      lse = logsumexp(q, k, bias, mask, kv_lens, scale=scale,
-                      is_causal=is_causal)
+      lse = float_logsumexp(q, k, bias, mask, kv_lens, scale=scale,
+                            is_causal=is_causal, on_gpu=on_gpu)
     grads = xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, scale=scale,
                     is_causal=is_causal)
   dq, dk, dv, dbias = grads

@@ -324,18 +324,16 @@ def _backward_path(q, attn_mask) -> str:
 
 
 @torch.compiler.assume_constant_result
-def _cudnn_takes_residuals() -> bool:
+def _takes_residuals(path: str, method: str) -> bool:
   """(A constant to ``torch.compile``: it inspects jax's cuDNN module.)"""
-  return grad.cudnn_residual_reason() is None
+  return grad.takes_residuals(path, method)
 
 
 def _keeps_output(q, attn_mask, method) -> bool:
   """Whether the backward takes the forward's output and log-sum-exp as
-  cuDNN's residuals (an exact method on cuDNN's path), as
-  :func:`jaxattn.dot_product_attention` does."""
-  return (_backward_path(q, attn_mask) == "cudnn"
-          and jaxattn.methods.get(method).output_is_exact
-          and _cudnn_takes_residuals())
+  its residuals (an exact method), as :func:`jaxattn.dot_product_attention`
+  does."""
+  return _takes_residuals(_backward_path(q, attn_mask), method)
 
 
 def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,

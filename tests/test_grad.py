@@ -211,7 +211,15 @@ def test_triton_backward_kernel_equals_xla_backward(t, s, d, is_causal):
   want = grad.xla_vjp(q, k, v, None, None, lens, lse, w, scale=scale,
                       is_causal=is_causal)[:3]
   got = grad.pallas_vjp(q, k, v, lens, w, scale=scale, is_causal=is_causal)
-  for name, a, b in zip("qkv", got, want):
+  # and from the residuals of an exact forward (what method="fp32" passes),
+  # jax.nn's MASK_VALUE in the row with no key
+  out, res = jaxattn.dot_product_attention(
+      q, k, v, scale=scale, is_causal=is_causal, key_value_seq_lengths=lens,
+      implementation="reference", return_residual=True)
+  from_residuals = grad.pallas_vjp(q, k, v, lens, w, scale=scale,
+                                   is_causal=is_causal, out=out, lse=res)
+  for name, a, b in [*zip("qkv", got, want),
+                     *zip("qkv", from_residuals, want)]:
     assert a.shape == b.shape, name
     # float32 sums in another order (on a GPU, the kernel's float32
     # products are TF32, as jax's default precision has them there):
@@ -220,6 +228,7 @@ def test_triton_backward_kernel_equals_xla_backward(t, s, d, is_causal):
     assert float(np.abs(np.asarray(a) - np.asarray(b)).max()) < F32_TOL * scale_b
     assert _rel(a, b) < F32_TOL, name
   assert np.all(np.asarray(got[0][1]) == 0)   # the row with no key
+  assert np.all(np.asarray(from_residuals[0][1]) == 0)
 
 
 @pytest.mark.gpu

@@ -71,17 +71,6 @@ def _flash(precision):
   return Adapter(run=run, run_lse=functools.partial(run, return_lse=True))
 
 
-def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal):
-  """float32 ``[B, N, T]``: the log-sum-exp of the float32 scores (``-inf``
-  for a row that sees no key), from the flash kernel: a forward pass whose
-  output is dropped (K stands in for V)."""
-  _, lse = flash.flash_attention(
-      q, k, k, kv_lens, bias, mask, scale=scale,
-      is_causal=is_causal, precision="fp32",
-      params=flash.default_params("fp32", q.shape[-1]), return_lse=True)
-  return lse
-
-
 def _check_pasa(call: Call) -> None:
   if jnp.dtype(call.config.compute_dtype) != jnp.float16:
     raise NotImplementedError(
