@@ -122,31 +122,181 @@ def round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def key_block_range(i, kv_len, *, block_q, block_k, is_causal, has_mask):
-  """``(n_full, n_blocks)`` for query block ``i``: key blocks
-  ``[0, n_full)`` are visible to every row (no mask needed), blocks
-  ``[n_full, n_blocks)`` need the mask, later blocks are seen by no row."""
-  hi = kv_len
-  if is_causal:
-    hi = jnp.minimum(hi, (i + 1) * block_q)
-  n_blocks = lax.div(hi + block_k - 1, block_k)
-  n_full = lax.div(kv_len, block_k)
-  if is_causal:
-    n_full = jnp.minimum(n_full, lax.div(i * block_q + 1, block_k))
-  if has_mask:
-    n_full = jnp.zeros_like(n_full)
-  return jnp.minimum(n_full, n_blocks), n_blocks
+# Which keys a query row sees, from indices (never a dense mask).  A row
+# ``i`` sees key ``j`` iff ``i < row_len``, ``j < col_len``, ``i + lower <=
+# j <= i + upper`` and, with segment ids, ``seg_q[i] == seg_k[j]`` (and the
+# user's mask, where one is given).  ``lower``/``upper`` hold the causal
+# diagonal and the local window relative to the alignment offset; UNBOUNDED
+# stands for no limit (small enough that ``i +- UNBOUNDED`` cannot overflow).
+UNBOUNDED = 1 << 30
 
 
-def visible(i, j, kv_len, *, block_q, block_k, is_causal, mask=None):
-  """Boolean ``[block_q, block_k]``: query ``i*block_q + r`` sees key
-  ``j*block_k + c`` (``mask``: the user's int8 mask block, or None)."""
-  shape = (block_q, block_k)
-  cols = j * block_k + lax.broadcasted_iota(jnp.int32, shape, 1)
-  vis = cols < kv_len
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class IndexMask:
+  """What, besides the key lengths and causality, decides which keys a query
+  row sees; every field optional.
+
+  Attributes:
+    q_lens: int32 ``[B]``: query rows at or beyond it see no key.
+    offsets: int32 ``[B]``: the diagonal's offset: row ``i``'s causal limit
+      and window centre is key ``i + offset`` (0: top-left alignment;
+      ``kv_len - q_len``: bottom-right).
+    q_segments, kv_segments: int32 ``[B, T]`` and ``[B, S]``: a score is
+      kept only where the two segment ids are equal (packed sequences).
+    window: static ``(left, right)``: row ``i`` sees keys ``i + offset -
+      left .. i + offset + right`` (None on a side: unbounded).
+  """
+  q_lens: jax.Array | None = None
+  offsets: jax.Array | None = None
+  q_segments: jax.Array | None = None
+  kv_segments: jax.Array | None = None
+  window: tuple[int | None, int | None] | None = dataclasses.field(
+      default=None, metadata=dict(static=True))
+
+  @property
+  def has_segments(self) -> bool:
+    return self.q_segments is not None
+
+
+def row_bounds(kv_lens, index_mask: IndexMask | None, *, t: int,
+               is_causal: bool):
+  """int32 ``[B, 4]``: ``(row_len, col_len, lower, upper)`` of each batch
+  row (see :class:`IndexMask`): query rows ``< row_len`` (``t`` without
+  query lengths) see keys ``< col_len`` in ``[i + lower, i + upper]``."""
+  b = kv_lens.shape[0]
+  im = index_mask or IndexMask()
+  kv_lens = kv_lens.astype(jnp.int32)
+  q_lens = (jnp.full((b,), t, jnp.int32) if im.q_lens is None
+            else jnp.minimum(im.q_lens.astype(jnp.int32), t))
+  offset = (jnp.zeros((b,), jnp.int32) if im.offsets is None
+            else im.offsets.astype(jnp.int32))
+  left, right = im.window or (None, None)
+  lower = (jnp.full((b,), -UNBOUNDED, jnp.int32) if left is None
+           else offset - left)
+  upper = (jnp.full((b,), UNBOUNDED, jnp.int32) if right is None
+           else offset + right)
   if is_causal:
-    rows = i * block_q + lax.broadcasted_iota(jnp.int32, shape, 0)
-    vis = vis & (cols <= rows)
+    upper = jnp.minimum(upper, offset)
+  return jnp.stack([q_lens, kv_lens, lower, upper], axis=1)
+
+
+def transpose_bounds(bounds):
+  """The bounds with keys as rows: key ``j`` is seen by queries ``j -
+  upper .. j - lower`` (for kernels that own a key block)."""
+  row_len, col_len, lower, upper = (bounds[:, c] for c in range(4))
+  return jnp.stack([col_len, row_len, -upper, -lower], axis=1)
+
+
+def _block_summary(seg, valid, n_blocks: int, block: int):
+  """Per block of ``block`` entries of ``seg`` ``[B, L]`` (``valid``
+  ``[B, L]``): min and max segment id of the valid entries (``UNBOUNDED``
+  and ``-UNBOUNDED`` when none) and whether all ``block`` ids are equal."""
+  size = n_blocks * block
+  pad = size - seg.shape[1]
+  if pad > 0:
+    seg = jnp.pad(seg, ((0, 0), (0, pad)), mode="edge")
+    valid = jnp.pad(valid, ((0, 0), (0, pad)))
+  seg = seg[:, :size].reshape(-1, n_blocks, block)
+  valid = valid[:, :size].reshape(-1, n_blocks, block)
+  lo = jnp.where(valid, seg, UNBOUNDED).min(-1)
+  hi = jnp.where(valid, seg, -UNBOUNDED).max(-1)
+  uniform = valid.all(-1) & (lo == hi)
+  return lo, hi, uniform
+
+
+def block_ranges(bounds, row_segments=None, col_segments=None, *,
+                 n_row_blocks: int, block_r: int, block_c: int,
+                 has_mask: bool):
+  """int32 ``[B, n_row_blocks, 4]``: for each block of ``block_r`` rows, the
+  column blocks ``(lo, full_lo, full_hi, hi)`` (of ``block_c`` columns).
+
+  Blocks ``[lo, hi)`` hold every column that some row of the block sees;
+  ``[full_lo, full_hi)`` (inside it) are seen whole by every row, so they
+  need no mask; the others of ``[lo, hi)`` need the element mask
+  (:func:`visible`), and the blocks outside ``[lo, hi)`` are skipped.
+  Segment ids narrow the range to the column blocks whose ids overlap the
+  row block's (exact for packed, sorted ids; any ids stay correct, the mask
+  decides).  ``bounds`` as :func:`row_bounds` (rows are queries) or
+  :func:`transpose_bounds` (rows are keys).
+  """
+  row_len, col_len, lower, upper = (bounds[:, c, None] for c in range(4))
+  r0 = (jnp.arange(n_row_blocks, dtype=jnp.int32) * block_r)[None]
+  r_last = jnp.minimum(r0 + block_r, row_len) - 1
+  c_lo = jnp.maximum(r0 + lower, 0)
+  c_hi = jnp.minimum(r_last + upper + 1, col_len)          # exclusive
+  f_lo = jnp.maximum(r0 + block_r - 1 + lower, 0)
+  f_hi = jnp.minimum(r0 + upper + 1, col_len)
+  lo, hi = lax.div(c_lo, block_c), lax.div(c_hi + block_c - 1, block_c)
+  flo, fhi = lax.div(f_lo + block_c - 1, block_c), lax.div(f_hi, block_c)
+  full_ok = (r0 + block_r <= row_len) & jnp.asarray(not has_mask)
+  if row_segments is not None:
+    n_cols = col_segments.shape[1]
+    n_col_blocks = -(-n_cols // block_c)
+    rows = jnp.arange(row_segments.shape[1])[None]
+    cols = jnp.arange(n_cols)[None]
+    smin, smax, s_uniform = _block_summary(
+        row_segments, rows < bounds[:, 0, None], n_row_blocks, block_r)
+    cmin, cmax, c_uniform = _block_summary(
+        col_segments, cols < bounds[:, 1, None], n_col_blocks, block_c)
+    jb = jnp.arange(n_col_blocks, dtype=jnp.int32)[None, None]
+    overlap = ((cmin[:, None, :] <= smax[:, :, None])
+               & (cmax[:, None, :] >= smin[:, :, None]))
+    lo = jnp.maximum(lo, jnp.where(overlap, jb, n_col_blocks).min(-1))
+    hi = jnp.minimum(hi, jnp.where(overlap, jb + 1, 0).max(-1))
+    same = c_uniform[:, None, :] & (cmin[:, None, :] == smin[:, :, None])
+    same_lo = jnp.where(same, jb, n_col_blocks).min(-1)
+    same_hi = jnp.where(same, jb + 1, 0).max(-1)
+    contiguous = same.sum(-1) == same_hi - same_lo
+    flo, fhi = jnp.maximum(flo, same_lo), jnp.minimum(fhi, same_hi)
+    full_ok = full_ok & s_uniform & contiguous
+  nonempty = (hi > lo) & (r_last >= r0)   # (a block past row_len sees none)
+  lo, hi = jnp.where(nonempty, lo, 0), jnp.where(nonempty, hi, 0)
+  full_ok = full_ok & nonempty & (fhi > flo)
+  flo = jnp.where(full_ok, jnp.clip(flo, lo, hi), hi)
+  fhi = jnp.where(full_ok, jnp.clip(fhi, flo, hi), hi)
+  return jnp.stack([lo, flo, fhi, hi], axis=-1).astype(jnp.int32)
+
+
+def index_operands(kv_lens, index_mask: IndexMask | None, *, t: int,
+                   s: int, is_causal: bool, t_pad: int, s_pad: int,
+                   block_q: int, block_k: int, has_mask: bool):
+  """What a forward kernel reads of the index mask: ``(bounds [B, 4],
+  ranges [B, t_pad / block_q, 4], segment ids)`` (:func:`row_bounds`,
+  :func:`block_ranges`; the ids padded to ``[B, t_pad]`` and ``[B,
+  s_pad]``, or an empty list)."""
+  im = index_mask or IndexMask()
+  bounds = row_bounds(jnp.minimum(kv_lens, s), im, t=t, is_causal=is_causal)
+  ranges = block_ranges(bounds, im.q_segments, im.kv_segments,
+                        n_row_blocks=t_pad // block_q, block_r=block_q,
+                        block_c=block_k, has_mask=has_mask)
+  segments = []
+  if im.has_segments:
+    segments = [pad_axis(im.q_segments.astype(jnp.int32), 1, t_pad),
+                pad_axis(im.kv_segments.astype(jnp.int32), 1, s_pad)]
+  return bounds, ranges, segments
+
+
+def visible(rows, cols, bounds, *, row_segments=None, col_segments=None,
+            mask=None):
+  """Boolean: row ``rows`` sees column ``cols`` (absolute int32 indices of
+  one block, broadcastable to each other); ``bounds``: the four scalars of
+  :func:`row_bounds`; optional segment ids ``[block_r]`` and ``[block_c]``
+  and the user's int8 mask block."""
+  row_len, col_len, lower, upper = bounds
+  vis = ((rows < row_len) & (cols < col_len) & (cols >= rows + lower)
+         & (cols <= rows + upper))
+  if row_segments is not None:
+    vis = vis & (row_segments[:, None] == col_segments[None, :])
   if mask is not None:
     vis = vis & (mask != 0)
   return vis
+
+
+def block_indices(i, j, block_r: int, block_c: int):
+  """Absolute row and column indices ``[block_r, block_c]`` of block
+  ``(i, j)``."""
+  shape = (block_r, block_c)
+  rows = i * block_r + lax.broadcasted_iota(jnp.int32, shape, 0)
+  cols = j * block_c + lax.broadcasted_iota(jnp.int32, shape, 1)
+  return rows, cols

@@ -53,20 +53,24 @@ def default_params(precision: str, head_dim: int) -> common.KernelParams:
   return common.KernelParams(*_TABLE[(key, d)])
 
 
-def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
-                  precision, block_q, block_k, has_bias, has_mask,
-                  return_lse, state_dtype):
+def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
+                  precision, block_q, block_k, has_segments, has_bias,
+                  has_mask, return_lse, state_dtype):
   """One query block of one head.
 
   q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
-  kv_len_ref ``[1]`` int32; optional bias ``[block_q, S_pad]`` float32 and
-  mask ``[block_q, S_pad]`` int8; outputs o ``[block_q, D]`` and optionally
+  bounds_ref ``[4]`` int32 (:func:`common.row_bounds`); range_ref ``[4]``
+  int32, this block's key blocks (:func:`common.block_ranges`); optional
+  segment ids ``[block_q]`` and ``[S_pad]`` int32, bias ``[block_q, S_pad]``
+  float32 and mask ``[block_q, S_pad]`` int8; outputs o ``[block_q, D]`` and optionally
   lse ``[block_q]`` float32 (natural log).  For PASA ``scale`` is
   ``beta / (1 - beta)`` (the softmax scale is folded into the keys) and
   ``state_dtype`` is the dtype of its ``m, l, O, F, Sbar'`` (float16 is
   Algorithm 1; ``S'`` and ``P`` are float16 either way).
   """
   refs = list(refs)
+  qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
+                        else (None, None))
   bias_ref = refs.pop(0) if has_bias else None
   mask_ref = refs.pop(0) if has_mask else None
   o_ref = refs.pop(0)
@@ -78,8 +82,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
   # of exp2(s * c - m); "fp16"/"pasa" mirror their references op for op.
   base2 = precision in ("fp32", "fp16_fp32")
   i = pl.program_id(0)
-  kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
+  bounds = tuple(bounds_ref[c] for c in range(4))
   q = q_ref[...]
+  q_seg = qseg_ref[...] if has_segments else None
   dv = o_ref.shape[-1]
 
   def div(a, b):  # correctly rounded (no float16 division in Triton)
@@ -103,18 +108,27 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
       s = s + (b * (1.0 / scale) if base2 else b).astype(s.dtype)
     visible = None
     if masked:
+      rows, cols = common.block_indices(i, j, block_q, block_k)
       visible = common.visible(
-          i, j, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
+          rows, cols, bounds, row_segments=q_seg,
+          col_segments=kseg_ref[ks] if has_segments else None,
           mask=mask_ref[:, ks] if has_mask else None)
       s = jnp.where(visible, s, -jnp.inf)
     v = v_ref[ks, :]
     c = scale * LOG2E
     if not is_pasa:
+      if base2:
+        s = s * c
+        if common.interpret():
+          # the interpreter's XLA may recompute s (or contract s * c into
+          # the subtraction) differently for the max and the exponent, and
+          # at scores ~1e10 one ulp of difference overflows exp2
+          s = lax.optimization_barrier(s)
       m_cur = jnp.max(s, axis=1)
-      m_new = jnp.maximum(m, m_cur * c if base2 else m_cur)
+      m_new = jnp.maximum(m, m_cur)
       m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(stat)
       if base2:
-        e = jnp.exp2(s * c - m_ref[:, None])
+        e = jnp.exp2(s - m_ref[:, None])
         alpha = jnp.exp2(m - m_ref)
       else:
         e = common.exp_f32(s - m_ref[:, None])
@@ -152,15 +166,15 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
             jnp.where(seen[:, None], o_new, o), jnp.where(seen, f_new, f),
             jnp.where(seen, jn, count))
 
-  n_full, n_blocks = common.key_block_range(
-      i, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
-      has_mask=has_mask)
+  lo, full_lo, full_hi, hi = (range_ref[c] for c in range(4))
   init = (jnp.full((block_q,), -jnp.inf, stat), jnp.zeros((block_q,), stat),
           jnp.zeros((block_q, dv), stat), jnp.zeros((block_q,), stat),
           jnp.zeros((block_q,), jnp.int32))
-  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
-  m, l, o, f, _ = lax.fori_loop(n_full, n_blocks,
-                                functools.partial(body, masked=True), carry)
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(lo, full_lo, masked, init)
+  carry = lax.fori_loop(full_lo, full_hi,
+                        functools.partial(body, masked=False), carry)
+  m, l, o, f, _ = lax.fori_loop(full_hi, hi, masked, carry)
   empty = l == 0
   safe_l = jnp.where(empty, 1.0, l).astype(stat)
   out = div(o, safe_l[:, None])
@@ -179,7 +193,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, scale, is_causal,
 
 def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
                     is_causal, precision, params, return_lse=False,
-                    state_dtype=jnp.float16):
+                    state_dtype=jnp.float16, index_mask=None):
   """Batched flash attention through the kernel.
 
   Args:
@@ -192,6 +206,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
     state_dtype: ``"pasa"`` only: the dtype of the running state (float16
       is PASA's Algorithm 1; float32 its default allocation).
     params: block sizes, warps and stages (:func:`default_params`).
+    index_mask: query lengths, alignment, local window and segment ids
+      (:class:`common.IndexMask`), or None.
   Returns: ``[B, T, N, D]`` (float16 for the float16 precisions, the input
     dtype for "fp32"), and the float32 log-sum-exp ``[B, N, T]`` if
     ``return_lse``.
@@ -217,15 +233,22 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
   q = common.pad_axis(common.pad_axis(q, 1, t_pad), 3, d_pad)
   k = common.pad_axis(common.pad_axis(k, 1, s_pad), 3, d_pad)
   v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)
-  args = [q, k, v, kv_lens.astype(jnp.int32).reshape(b, 1)]
+  bounds, ranges, segments = common.index_operands(
+      kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
+      s_pad=s_pad, block_q=bq, block_k=bk, has_mask=mask is not None)
+  args = [q, k, v, bounds, ranges, *segments]
   in_specs = [
       pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
       pl.BlockSpec((None, s_pad, None, d_pad),
                    lambda i, bi, h: (bi, 0, h // group, 0)),
       pl.BlockSpec((None, s_pad, None, d_pad),
                    lambda i, bi, h: (bi, 0, h // group, 0)),
-      pl.BlockSpec((None, 1), lambda i, bi, h: (bi, 0)),
+      pl.BlockSpec((None, 4), lambda i, bi, h: (bi, 0)),
+      pl.BlockSpec((None, None, 4), lambda i, bi, h: (bi, i, 0)),
   ]
+  if segments:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+                 pl.BlockSpec((None, s_pad), lambda i, bi, h: (bi, 0))]
   for x, dtype in ((bias, jnp.float32), (mask, jnp.int8)):
     if x is not None:
       args.append(common.pad_axis(common.pad_axis(x.astype(dtype), 2, t_pad), 3, s_pad))
@@ -238,8 +261,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
     out_shape.append(jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
     out_specs.append(pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)))
   kernel = functools.partial(
-      _flash_kernel, scale=scale, is_causal=is_causal,
-      precision=precision, block_q=bq, block_k=bk, has_bias=bias is not None,
+      _flash_kernel, scale=scale, precision=precision, block_q=bq,
+      block_k=bk, has_segments=bool(segments), has_bias=bias is not None,
       has_mask=mask is not None, return_lse=return_lse,
       state_dtype=jnp.dtype(state_dtype).name)
   outs = pl.pallas_call(

@@ -71,8 +71,9 @@ def _dot(a, b, acc, contract_b):
                          preferred_element_type=acc)
 
 
-def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
-                  pv, is_causal, block_q, block_k, has_vbs, has_colsum,
+def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, bounds_ref, range_ref,
+                  *refs, qk, pv, block_q, block_k, has_segments, has_vbs,
+                  has_colsum,
                   has_qbias, has_epilogue, has_bias, has_mask, fp8_dot_in_f32):
   """One query block of one head.
 
@@ -80,12 +81,17 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
   k_ref int8 ``[S, D]``; ks_ref ``[S]`` (``qk="int4"``: q_ref ``[bq, D / 2]``
   and k_ref ``[S, D / 2]``, packed in halves); v_ref: int8 ``[Dv, S]``
   (transposed)
-  or float16 ``[S, Dv]``; kv_len_ref ``[1]``; then optional per-block V
+  or float16 ``[S, Dv]``; bounds_ref ``[4]`` (:func:`common.row_bounds`)
+  and range_ref ``[4]`` (this block's key blocks, :func:`common.
+  block_ranges`) int32; optional segment ids ``[bq]``, ``[S]``; then
+  optional per-block V
   scales ``[nb]``, V column sums ``[nb, Dv]`` int32 (uint8 P), bias
   ``[bq, S]`` (natural log units), mask ``[bq, S]`` int8; output ``[bq, Dv]``
   float32 ``O / l`` (the caller applies the output scale).
   """
   refs = list(refs)
+  qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
+                        else (None, None))
   vbs_ref = refs.pop(0) if has_vbs else None
   colsum_ref = refs.pop(0) if has_colsum else None
   qbias_ref = refs.pop(0) if has_qbias else None
@@ -96,7 +102,8 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
   (o_ref,) = refs
   f32, i32 = jnp.float32, jnp.int32
   i = pl.program_id(0)
-  kv_len = jnp.minimum(kv_len_ref[0], k_ref.shape[0])
+  bounds = tuple(bounds_ref[c] for c in range(4))
+  q_seg = qseg_ref[...] if has_segments else None
   q = q_ref[...]
   if qk == "int4":  # unpacked once per query block
     q_lo, q_hi = common.int4_halves(q)
@@ -119,9 +126,11 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
     if has_bias:
       s = s + bias_ref[:, ks] * LOG2E
     if masked:
-      vis = common.visible(i, j, kv_len, block_q=block_q, block_k=block_k,
-                           is_causal=is_causal,
-                           mask=mask_ref[:, ks] if has_mask else None)
+      rows, cols = common.block_indices(i, j, block_q, block_k)
+      vis = common.visible(
+          rows, cols, bounds, row_segments=q_seg,
+          col_segments=kseg_ref[ks] if has_segments else None,
+          mask=mask_ref[:, ks] if has_mask else None)
       s = jnp.where(vis, s, -jnp.inf)
     if pv == "uint8":  # P anchored at the block's own row max (8-bit FMHA)
       mt = jnp.max(s, axis=1)
@@ -155,14 +164,14 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, kv_len_ref, *refs, qk,
       pv_blk = _dot(e.astype(jnp.float16), v_ref[ks, :], f32, 0)
     return m_new, l, alpha[:, None] * o + pv_blk
 
-  n_full, n_blocks = common.key_block_range(
-      i, kv_len, block_q=block_q, block_k=block_k, is_causal=is_causal,
-      has_mask=has_mask)
+  lo, full_lo, full_hi, hi = (range_ref[c] for c in range(4))
   init = (jnp.full((block_q,), -jnp.inf, f32), jnp.zeros((block_q,), f32),
           jnp.zeros((block_q, dv), f32))
-  carry = lax.fori_loop(0, n_full, functools.partial(body, masked=False), init)
-  _, l, o = lax.fori_loop(n_full, n_blocks,
-                          functools.partial(body, masked=True), carry)
+  masked = functools.partial(body, masked=True)
+  carry = lax.fori_loop(lo, full_lo, masked, init)
+  carry = lax.fori_loop(full_lo, full_hi,
+                        functools.partial(body, masked=False), carry)
+  _, l, o = lax.fori_loop(full_hi, hi, masked, carry)
   empty = l == 0
   out = o / jnp.where(empty, 1.0, l)[:, None]
   if has_epilogue:  # per-channel output scale and shift (e.g. V's mean)
@@ -174,7 +183,7 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
                         pv, is_causal, params, qk="int8", v_block_scale=None,
                         v_colsum=None, q_block_bias=None, bias_rows=None,
                         out_scale=None, out_shift=None,
-                        out_dtype=jnp.float32):
+                        out_dtype=jnp.float32, index_mask=None):
   """Runs the kernel on quantized BTNH inputs.
 
   Args:
@@ -194,6 +203,8 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
       (SageAttention's ``q_mean K^T``; ``bias_rows`` a power of two), or None.
     out_scale, out_shift: float32 ``[B, K, Dv]``: the output is
       ``O / l * out_scale + out_shift`` (rows that see no key stay 0).
+    index_mask: query lengths, alignment, window and segment ids
+      (:class:`common.IndexMask`), or None.
   Returns:
     ``[B, T, N, Dv]`` in ``out_dtype``.
   """
@@ -226,7 +237,10 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
     v = pad(pad(v, 3, s_pad), 2, dv_pad)
     v_spec = pl.BlockSpec((None, None, dv_pad, s_pad),
                           lambda i, bi, h: (bi, h // group, 0, 0))
-  args = [q8, qs, k8, ks, v, kv_lens.astype(jnp.int32).reshape(b, 1)]
+  bounds, ranges, segments = common.index_operands(
+      kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
+      s_pad=s_pad, block_q=bq, block_k=bk, has_mask=mask is not None)
+  args = [q8, qs, k8, ks, v, bounds, ranges, *segments]
   in_specs = [
       pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
       pl.BlockSpec((None, None, bq), lambda i, bi, h: (bi, h, i)),
@@ -234,8 +248,12 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
                    lambda i, bi, h: (bi, 0, h // group, 0)),
       pl.BlockSpec((None, None, s_pad), lambda i, bi, h: (bi, h // group, 0)),
       v_spec,
-      pl.BlockSpec((None, 1), lambda i, bi, h: (bi, 0)),
+      pl.BlockSpec((None, 4), lambda i, bi, h: (bi, 0)),
+      pl.BlockSpec((None, None, 4), lambda i, bi, h: (bi, i, 0)),
   ]
+  if segments:
+    in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
+                 pl.BlockSpec((None, s_pad), lambda i, bi, h: (bi, 0))]
   nb = s_pad // bk
   if v_block_scale is not None:
     args.append(pad(v_block_scale, 2, nb))
@@ -261,8 +279,8 @@ def quantized_attention(q8, q_scale, k8, k_scale, v, kv_lens, bias, mask, *,
       in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
                                    lambda i, bi, h: (bi, h, i, 0)))
   kernel = functools.partial(
-      _quant_kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq,
-      block_k=bk, has_vbs=v_block_scale is not None,
+      _quant_kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
+      has_segments=bool(segments), has_vbs=v_block_scale is not None,
       has_colsum=v_colsum is not None, has_qbias=q_block_bias is not None,
       has_epilogue=out_scale is not None,
       has_bias=bias is not None, has_mask=mask is not None,
