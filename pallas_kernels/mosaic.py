@@ -43,9 +43,14 @@ permutation; V's keys are stored in that order by the quantizer
 (:func:`pallas_kernels.quantizers.key_order`).  The epilogue computes ``O / l`` and, where given, ``* out_scale + out_shift`` per
 channel (V's scale and mean).
 
-Keys at or beyond ``kv_lens[b]`` are masked (only the last block pays for
-it) and never loaded past; causal masking is top-left aligned and skips the
-blocks above the diagonal.  Query heads of a group read their key/value
+Which keys a row sees comes from indices (:func:`common.row_bounds`: key
+lengths, causality, query lengths, an alignment offset, a local window;
+segment ids for packed sequences), never a dense mask.  The CTA streams
+only the key blocks some row of its tile sees (:func:`common.block_ranges`
+per warpgroup); a warpgroup drains the blocks only its sibling needs,
+computes the blocks all its rows see whole without a mask, and masks the
+rest element by element.  Causal masking is top-left aligned unless an
+offset says otherwise.  Query heads of a group read their key/value
 head (GQA without repeats).  Lengths are padded outside the kernel to whole
 blocks.  Without a GPU the kernel runs in Mosaic GPU's interpreter
 (``InterpretGPUParams``), where P (8-bit or 16-bit) goes through shared
@@ -215,12 +220,16 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
   return jnp.where(empty, -jnp.inf, lse)
 
 
-def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
+def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
-            has_qk_scales, has_qbias, bias_rows, has_vbs, has_epilogue,
-            p_in_smem, fused_pv, out_dtype, exact_exponent, return_lse):
+            has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
+            has_epilogue, p_in_smem, fused_pv, out_dtype, exact_exponent,
+            return_lse):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
-  PV) or ``[B, K, D, S]`` (8-bit PV), kv_len ``[B]`` int32; optional
+  PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
+  (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
+  blocks of each warpgroup's rows (:func:`common.block_ranges`); optional
+  segment ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
@@ -229,6 +238,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
   ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
   ``fl16(beta / (1 - beta))`` (:func:`_pasa_update`)."""
   refs = list(refs)
+  qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
+                        else (None,) * 2)
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
   qbias_ref = refs.pop(0) if has_qbias else None
   vbs_ref = refs.pop(0) if has_vbs else None
@@ -250,12 +261,21 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
     q_head = lax.axis_index("heads")
     kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
-    kv_len = kv_len_ref[batch]
-    tile_base = lax.axis_index("q_seq") * (2 * bq)
-    hi = kv_len
-    if is_causal:
-      hi = jnp.minimum(hi, tile_base + 2 * bq)
-    tile_steps = lax.div(hi + (bk - 1), jnp.int32(bk))
+    row_len, col_len, lower, upper = (bounds_ref[batch, c] for c in range(4))
+    q_seq = lax.axis_index("q_seq")
+    tile_base = q_seq * (2 * bq)
+    wg_ranges = [[range_ref[batch, 2 * q_seq + w, c] for c in range(4)]
+                 for w in range(2)]
+    # The CTA streams the union of its warpgroups' key blocks (an empty
+    # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
+    (lo0, *_, hi0), (lo1, *_, hi1) = wg_ranges
+    tile_hi = jnp.maximum(hi0, hi1)
+    tile_lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, tile_hi),
+                          jnp.where(hi1 > lo1, lo1, tile_hi))
+    tile_steps = tile_hi - tile_lo
+
+    def slot_of(j):  # key block j's ring slot (step j - tile_lo)
+      return lax.rem(j - tile_lo, jnp.int32(stages))
 
     def schedule_barrier():
       plgpu.barrier_arrive(schedule)
@@ -267,12 +287,11 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
       p_smem = p_smem2.at[wg] if p_smem2 is not None else None
       q_base = tile_base + wg * bq
-      wg_hi = jnp.minimum(kv_len, q_base + bq) if is_causal else kv_len
-      steps = lax.div(wg_hi + (bk - 1), jnp.int32(bk))
-      n_full = lax.div(kv_len, jnp.int32(bk))
-      if is_causal:
-        n_full = jnp.minimum(n_full, lax.div(q_base + 1, jnp.int32(bk)))
-      n_full = jnp.minimum(n_full, steps)
+      # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
+      # [tile_lo, tile_lo), so that it only drains
+      lo, full_lo, full_hi, hi = (
+          jnp.maximum(range_ref[batch, 2 * q_seq + wg, c], tile_lo)
+          for c in range(4))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
                               q_smem, q_bars.at[wg])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
@@ -283,6 +302,9 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
           # becomes tiny, which leaves its scores at 0
           q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+      if has_segments:
+        q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
+                           layout=row_layout, optimized=False)
       stat = jnp.dtype(pasa_state_dtype) if pasa else f32
       row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
                                                  row_layout)
@@ -302,7 +324,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
       def scores(s, j, masked):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
         the exponent's factor and the visibility mask; frees K's slot."""
-        slot = lax.rem(j, jnp.int32(stages))
+        slot = slot_of(j)
         # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
         if has_qk_scales:
           plgpu.barrier_wait(ks_bars.at[slot])
@@ -329,12 +351,17 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         visible = None
         if masked:
           rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                        layout=plgpu.Layout.WGMMA)
+                                        layout=plgpu.Layout.WGMMA) + q_base
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                         layout=plgpu.Layout.WGMMA) + j * bk
-          visible = cols < kv_len
-          if is_causal:
-            visible = visible & (cols <= rows + q_base)
+          visible = ((rows < row_len) & (cols < col_len)
+                     & (cols >= rows + lower) & (cols <= rows + upper))
+          if has_segments:
+            k_seg = plgpu.load(kseg_ref.at[batch, pl.ds(j * bk, bk)],
+                               layout=col_layout, optimized=False)
+            visible = visible & (
+                lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+                == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
         return s, c, visible
 
       def softmax(s, c, visible, m_i, l_i):
@@ -347,6 +374,14 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
+
+        def finite(m_new):
+          """The max the exponents subtract: 0 for a row that has seen no
+          key yet (its m stays -inf: no -inf - -inf), only in masked
+          steps (every row sees a key of an unmasked block)."""
+          if visible is None:
+            return m_new
+          return jnp.where(m_new == -jnp.inf, 0.0, m_new)
         if exact_exponent:
           # The running max in the units of s: s - m is exact for the
           # scores near the max (Sterbenz), so a tie gets exactly P = 1
@@ -357,21 +392,23 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
           s = lax.optimization_barrier(s)
           m_new = jnp.maximum(m_i, s.max(axis=1))
-          e = s - lax.broadcast_in_dim(m_new, s.shape, [0])
+          m_ref = finite(m_new)
+          e = s - lax.broadcast_in_dim(m_ref, s.shape, [0])
           if not isinstance(c, float):   # a row of factors
-            alpha = jnp.exp2((m_i - m_new) * c)
+            alpha = jnp.exp2((m_i - m_ref) * c)
             e = e * lax.broadcast_in_dim(c, s.shape, [0])
           elif c != 1.0:
-            alpha = jnp.exp2((m_i - m_new) * c)
+            alpha = jnp.exp2((m_i - m_ref) * c)
             e = e * c
           else:
-            alpha = jnp.exp2(m_i - m_new)
+            alpha = jnp.exp2(m_i - m_ref)
           p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
         else:
           m_new = jnp.maximum(m_i, s.max(axis=1) * c)
-          alpha = jnp.exp2(m_i - m_new)
+          m_ref = finite(m_new)
+          alpha = jnp.exp2(m_i - m_ref)
           # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
-          m_exp = m_new - LOG2_FP8_MAX if pv == "fp8" else m_new
+          m_exp = m_ref - LOG2_FP8_MAX if pv == "fp8" else m_ref
           if not isinstance(c, float):   # a row of factors
             s = s * lax.broadcast_in_dim(c, s.shape, [0])
           elif c != 1.0:
@@ -395,7 +432,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
           p_op = p_smem
         elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
           p_op = _as_8bit_operand(p_op)
-        v_op = v_smem.at[lax.rem(j, jnp.int32(stages))]
+        v_op = v_smem.at[slot_of(j)]
         if eight_bit_pv:
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
@@ -414,7 +451,7 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
-        slot = lax.rem(j, jnp.int32(stages))
+        slot = slot_of(j)
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -432,9 +469,9 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         p_op, v_op = pv_operands(j, p_op)
 
         def wait_next_k():
-          @pl.when(j + 1 < steps)
+          @pl.when(j + 1 < hi)
           def _():
-            plgpu.barrier_wait(k_bars.at[lax.rem(j + 1, jnp.int32(stages))])
+            plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
 
         if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
           def pv_state(acc_ref):
@@ -452,20 +489,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_new, pasa_state
 
-      pl.when(wg == 1)(schedule_barrier)
-
-      @pl.when(steps > 0)
-      def _():
-        plgpu.barrier_wait(k_bars.at[0])
-
-      carry = lax.fori_loop(0, n_full, functools.partial(kv_step, masked=False),
-                            (acc, m_i, l_i, pasa_state))
-      acc, m_i, l_i, _ = lax.fori_loop(n_full, steps,
-                                       functools.partial(kv_step, masked=True),
-                                       carry)
-
       def drain(j, _):  # blocks the other warpgroup needs and this one not
-        slot = lax.rem(j, jnp.int32(stages))
+        slot = slot_of(j)
         plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
         plgpu.barrier_wait(v_bars.at[slot])
         if has_qk_scales:
@@ -476,7 +501,23 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         plgpu.barrier_arrive(v_consumed.at[slot])
         schedule_barrier()
         schedule_barrier()
-      lax.fori_loop(steps, tile_steps, drain, None)
+
+      # Every step of [tile_lo, tile_hi) in order, each barrier phase
+      # observed once: drain, masked, unmasked, masked, drain.
+      pl.when(wg == 1)(schedule_barrier)
+      lax.fori_loop(tile_lo, lo, drain, None)
+
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_bars.at[slot_of(lo)])
+
+      masked_step = functools.partial(kv_step, masked=True)
+      carry = lax.fori_loop(lo, full_lo, masked_step,
+                            (acc, m_i, l_i, pasa_state))
+      carry = lax.fori_loop(full_lo, full_hi,
+                            functools.partial(kv_step, masked=False), carry)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
+      lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
       empty = l_i == 0.0
@@ -509,7 +550,8 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(j, slot):
+      def load(u, slot):  # step u: key block tile_lo + u
+        j = tile_lo + u
         plgpu.copy_gmem_to_smem(
             k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
             k_bars.at[slot])
@@ -530,15 +572,15 @@ def _kernel(q_ref, k_ref, v_ref, kv_len_ref, *refs, qk, pv, is_causal,
         pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
 
       @pl.loop(stages, jnp.maximum(tile_steps, stages))
-      def _(j):
-        slot = lax.rem(j, jnp.int32(stages))
+      def _(u):
+        slot = lax.rem(u, jnp.int32(stages))
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
-        load(j, slot)
+        load(u, slot)
 
       @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
-      def _(j):  # the last uses of each slot (every phase is observed)
-        slot = lax.rem(j, jnp.int32(stages))
+      def _(u):  # the last uses of each slot (every phase is observed)
+        slot = lax.rem(u, jnp.int32(stages))
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
@@ -575,7 +617,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      out_shift=None, pasa_inva=None,
                      pasa_state_dtype=jnp.float16, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
-                     return_lse=False):
+                     return_lse=False, index_mask=None):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -605,6 +647,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     return_lse: also return the natural-log log-sum-exp of each row's
       scaled scores as the online softmax formed them (float32 ``[B, N,
       T]``, ``-inf`` for a row that sees no key; not with PASA).
+    index_mask: query lengths, alignment, local window and segment ids
+      (:class:`common.IndexMask`), or None.  Each warpgroup skips the key
+      blocks none of its rows sees and masks only the blocks some row sees
+      in part.
   Returns: ``[B, T, N, D]`` in ``out_dtype``, and with ``return_lse`` the
   log-sum-exp.
 
@@ -640,7 +686,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   else:
     v = pad(pad(v, 3, s_pad), 2, d_tile)
     v = v if p_in_smem or v_keys_ordered else permute_keys(v, axis=3)
-  args = [q, k, v, kv_lens.astype(jnp.int32)]
+  bounds, ranges, segments = common.index_operands(
+      kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
+      s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
+  args = [q, k, v, bounds, ranges, *segments]
   has_qk_scales = qk != "fp16"
   if has_qk_scales:
     args += [pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1),
@@ -664,11 +713,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                    == jnp.float16):
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
   kernel = functools.partial(
-      _kernel, qk=qk, pv=pv, is_causal=is_causal, block_q=bq, block_k=bk,
+      _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
-      has_qk_scales=has_qk_scales,
+      has_segments=bool(segments), has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,

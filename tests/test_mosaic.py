@@ -273,3 +273,155 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
   assert np.all(np.isneginf(np.asarray(lse[2])))     # no key: -inf
   err = float(jnp.max(jnp.abs(lse[:2] - want[:2])))
   assert err < tol, err
+
+
+def _sees(kv_lens, q_lens, offsets, window, is_causal, q_seg, kv_seg, t, s):
+  """Bool ``[B, T, S]``: query ``i`` sees key ``j`` (the rule of
+  :class:`pallas_kernels.common.IndexMask`, written out in numpy)."""
+  col = lambda x: np.asarray(x)[:, None, None]
+  i, j = np.arange(t)[None, :, None], np.arange(s)[None, None, :]
+  vis = (i < col(q_lens)) & (j < col(kv_lens))
+  left, right = window or (None, None)
+  if left is not None:
+    vis &= j >= i + col(offsets) - left
+  if right is not None:
+    vis &= j <= i + col(offsets) + right
+  if is_causal:
+    vis &= j <= i + col(offsets)
+  if q_seg is not None:
+    vis &= np.asarray(q_seg)[:, :, None] == np.asarray(kv_seg)[:, None, :]
+  return vis
+
+
+def _segment_ids(bounds, n):
+  """int32 ``[n]``: sorted ids, id ``ids[k]`` from ``bounds[k]`` on."""
+  out = np.zeros(n, np.int32)
+  for start, sid in bounds:
+    out[start:] = sid
+  return out
+
+
+INDEX_CASES = {
+    # bottom-right causal local attention, a batch row of 50 queries that
+    # sees only the last keys (its second warpgroup and tile see none)
+    "window": dict(is_causal=True, window=(37, 0), q_lens=[150, 50],
+                   kv_lens=[280, 300], bottom_right=True),
+    # packed sequences: query ids 1 (rows 0-63, a whole warpgroup) and 3
+    # have no key, key ids 0 and 3 no query; batch row 1 one sequence
+    # (whole blocks without a mask)
+    "segments": dict(
+        is_causal=False, window=None, q_lens=[190, 200], kv_lens=[300, 250],
+        bottom_right=False,
+        q_seg=[[(0, 1), (64, 2), (131, 3), (160, 4)], [(0, 0)]],
+        kv_seg=[[(0, 0), (41, 2), (151, 3), (161, 5), (231, 4)], [(0, 0)]]),
+    # a window of one key behind the diagonal: most key blocks skipped,
+    # warpgroups of a tile start at different blocks (leading drains)
+    "window_1": dict(is_causal=True, window=(1, 0), q_lens=[200, 60],
+                     kv_lens=[300, 300], bottom_right=False),
+}
+
+
+def _index_case(name, b, t, s):
+  from pallas_kernels import common
+  c = INDEX_CASES[name]
+  kv_lens = np.asarray(c["kv_lens"], np.int32)
+  q_lens = np.asarray(c["q_lens"], np.int32)
+  offsets = kv_lens - q_lens if c["bottom_right"] else np.zeros(b, np.int32)
+  q_seg = kv_seg = None
+  if "q_seg" in c:
+    q_seg = np.stack([_segment_ids(x, t) for x in c["q_seg"]])
+    kv_seg = np.stack([_segment_ids(x, s) for x in c["kv_seg"]])
+  im = common.IndexMask(
+      q_lens=jnp.asarray(q_lens), offsets=jnp.asarray(offsets),
+      q_segments=None if q_seg is None else jnp.asarray(q_seg),
+      kv_segments=None if kv_seg is None else jnp.asarray(kv_seg),
+      window=c["window"])
+  sees = _sees(kv_lens, q_lens, offsets, c["window"], c["is_causal"], q_seg,
+               kv_seg, t, s)
+  return im, sees, jnp.asarray(kv_lens), c["is_causal"]
+
+
+def _mosaic_with_index_mask(method, q, k, v, kv_lens, im, *, scale,
+                            is_causal, config):
+  """The Mosaic adapter's kernel path for ``method`` with ``index_mask=im``
+  (the quantized methods without the NaN confinement of ``run``)."""
+  from jaxattn.backends import mosaic as mosaic_backend
+  adapter = mosaic_backend.ADAPTERS[method]
+  kw = dict(is_causal=is_causal, config=config, index_mask=im)
+  if adapter.kernel is None:
+    return adapter.run(q, k, v, None, None, kv_lens, scale=scale, **kw)
+  ops = adapter.prepare(q, k, v, kv_lens, scale=scale, config=config)
+  return adapter.kernel(ops, kv_lens, None, None, out_dtype=q.dtype, **kw)
+
+
+@pytest.mark.parametrize("method,case", [
+    ("fp32", "window"), ("fp32", "segments"), ("pasa", "window"),
+    ("pasa", "segments"), ("sage", "segments"), ("int8", "window"),
+    ("fp8", "segments")], ids=str)
+def test_mosaic_index_mask_matches_dense_mask_reference(method, case):
+  """Query lengths, a bottom-right offset, a local window and packed
+  segment ids, from indices in the kernel, against the reference with the
+  same visibility as a dense mask; rows that see no key (beyond the query
+  length, in a segment without keys) are exactly zero."""
+  from jaxattn import methods
+  from jaxattn.backends import reference
+  b, t, s, n, d = 2, 200, 300, 1, 64
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = jax.random.normal(kk, (b, s, 1, d), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
+  im, sees, kv_lens, causal = _index_case(case, b, t, s)
+  config = methods.get(method).config_cls.from_options(block_k=64)
+  scale = d ** -0.5
+  out = _mosaic_with_index_mask(method, q, k, v, kv_lens, im, scale=scale,
+                                is_causal=causal, config=config)
+  mask = jnp.asarray(np.broadcast_to(sees[:, None], (b, n, t, s)))
+  ref = reference.ADAPTERS[method].run(q, k, v, None, mask, kv_lens,
+                                       scale=scale, is_causal=False,
+                                       config=config).astype(q.dtype)
+  out = np.asarray(out, np.float32)
+  assert out.shape == (b, t, n, d) and np.isfinite(out).all()
+  blind = ~sees.any(-1)                                  # [B, T]
+  assert blind.any() and (~blind).any()
+  assert np.all(out[blind] == 0.0)
+  tol = {"fp32": TOL, "pasa": 5e-3}.get(method, TOL_8BIT_P)
+  err = _rel(out[~blind], np.asarray(ref)[~blind])
+  assert err < tol, err
+
+
+@pytest.mark.parametrize("method", ["fp32", "int8"])
+def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
+  """A window of one key: each warpgroup runs only the key blocks its rows
+  see (the CTA streams their union, starting past block 0, and a
+  warpgroup drains its sibling's blocks before and after its own); the
+  output is still the dense-mask reference's."""
+  from jaxattn import methods
+  from jaxattn.backends import reference
+  from pallas_kernels import common
+  b, t, s, n, d = 2, 200, 300, 1, 64
+  kq, kk, kv = jax.random.split(jax.random.key(8), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = jax.random.normal(kk, (b, s, 1, d), jnp.float16)
+  v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
+  im, sees, kv_lens, causal = _index_case("window_1", b, t, s)
+  ranges = np.asarray(common.block_ranges(
+      common.row_bounds(kv_lens, im, t=t, is_causal=causal), n_row_blocks=4,
+      block_r=64, block_c=64, has_mask=False))
+  lo, hi = ranges[..., 0], ranges[..., 3]
+  assert np.all(hi - lo <= 2) and lo[0, 3] == 2
+  assert np.any(lo[:, 0::2] < lo[:, 1::2])      # a tile's leading drain
+  assert np.all(ranges[1, 2:] == 0)             # a tile without a key
+  config = methods.get(method).config_cls.from_options(block_k=64)
+  scale = d ** -0.5
+  out = _mosaic_with_index_mask(method, q, k, v, kv_lens, im, scale=scale,
+                                is_causal=causal, config=config)
+  mask = jnp.asarray(sees[:, None])
+  ref = reference.ADAPTERS[method].run(q, k, v, None, mask, kv_lens,
+                                       scale=scale, is_causal=False,
+                                       config=config).astype(q.dtype)
+  out = np.asarray(out, np.float32)
+  blind = ~sees.any(-1)
+  assert np.all(out[blind] == 0.0)
+  tol = TOL if method == "fp32" else TOL_8BIT_P
+  err = _rel(out[~blind], np.asarray(ref)[~blind])
+  assert err < tol, err
