@@ -14,6 +14,7 @@ import numpy as np
 from jaxattn import base, grad, methods, nonfinite
 from jaxattn.backends import Call
 from jaxattn.backends import mosaic, reference, triton
+from pallas_kernels.common import IndexMask, row_bounds
 
 # The backends by implementation name, and the order in which
 # implementation=None tries them.
@@ -22,7 +23,85 @@ PREFERENCE = ("mosaic", "triton", "reference")
 RENAMED = {"pallas": "triton"}  # deprecated implementation names
 IMPLEMENTATIONS = (None, *BACKENDS, *RENAMED)
 _FLOAT_DTYPES = (jnp.float16, jnp.bfloat16, jnp.float32, jnp.float64)
+CAUSAL_ALIGNMENTS = ("top_left", "bottom_right")
 logger = logging.getLogger("jaxattn")
+
+
+def _lengths(x, name, b, n):
+  """``x`` as int32 ``[b]`` checked to lie in ``[0, n]`` (where concrete)."""
+  x = jnp.asarray(x)
+  if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape ({b},), got "
+                     f"{x.dtype}{x.shape}")
+  if not isinstance(x, jax.core.Tracer):
+    lo, hi = int(np.min(x)), int(np.max(x))
+    if lo < 0 or hi > n:
+      raise ValueError(f"{name} must lie in [0, {n}], got values in "
+                       f"[{lo}, {hi}]")
+  return jnp.clip(x, 0, n).astype(jnp.int32)
+
+
+def _window(local_window_size):
+  """``local_window_size`` as ``(left, right)`` (jax.nn: an int is a
+  symmetric window); None on a side is unbounded."""
+  w = local_window_size
+  if isinstance(w, (int, np.integer)) and not isinstance(w, bool):
+    w = (int(w), int(w))
+  if (not isinstance(w, (tuple, list)) or len(w) != 2
+      or not all(x is None or (isinstance(x, (int, np.integer))
+                               and not isinstance(x, bool) and x >= 0)
+                 for x in w)):
+    raise ValueError("local_window_size must be an int >= 0 or a (left, "
+                     f"right) pair of them, got {local_window_size!r}")
+  return tuple(None if x is None else int(x) for x in w)
+
+
+def _segments(ids, name, b, n):
+  ids = jnp.asarray(ids)
+  if ids.shape != (b, n) or not jnp.issubdtype(ids.dtype, jnp.integer):
+    raise ValueError(f"{name} must be an integer array of shape ({b}, {n}), "
+                     f"got {ids.dtype}{ids.shape}")
+  return ids.astype(jnp.int32)
+
+
+def _index_mask(query, key, kv_lens, *, query_seq_lengths, local_window_size,
+                q_segment_ids, kv_segment_ids, causal_alignment):
+  """The checked :class:`IndexMask` of the call (None when it holds
+  nothing) and the names of the features it uses."""
+  b, t = query.shape[:2]
+  s = key.shape[1]
+  if causal_alignment not in CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of {CAUSAL_ALIGNMENTS}, "
+                     f"got {causal_alignment!r}")
+  features = []
+  q_lens = offsets = q_seg = kv_seg = window = None
+  if query_seq_lengths is not None:
+    q_lens = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
+    features.append("query_seq_lengths")
+  if local_window_size is not None:
+    window = _window(local_window_size)
+    features.append("local_window_size")
+  if causal_alignment == "bottom_right":
+    # query row i's diagonal is key i + kv_len - q_len (its last row sees
+    # the last key): chunked prefill and decode against a cache
+    offsets = kv_lens - (jnp.full((b,), t, jnp.int32) if q_lens is None
+                         else q_lens)
+    features.append("causal_alignment")
+  if q_segment_ids is not None or kv_segment_ids is not None:
+    if q_segment_ids is None:
+      raise ValueError("kv_segment_ids needs q_segment_ids")
+    if kv_segment_ids is None:
+      if t != s:
+        raise ValueError(f"query ({t}) and key ({s}) lengths differ: pass "
+                         "kv_segment_ids as well")
+      kv_segment_ids = q_segment_ids
+    q_seg = _segments(q_segment_ids, "q_segment_ids", b, t)
+    kv_seg = _segments(kv_segment_ids, "kv_segment_ids", b, s)
+    features.append("segment_ids")
+  if not features:
+    return None, frozenset()
+  return (IndexMask(q_lens=q_lens, offsets=offsets, q_segments=q_seg,
+                    kv_segments=kv_seg, window=window), frozenset(features))
 
 
 def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
@@ -82,16 +161,7 @@ def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):
   if key_value_seq_lengths is None:
     kv_lens = base.kv_lengths(None, b, s)
   else:
-    kv_lens = jnp.asarray(key_value_seq_lengths)
-    if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype, jnp.integer):
-      raise ValueError("key_value_seq_lengths must be an integer array of "
-                       f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
-    if not isinstance(kv_lens, jax.core.Tracer):
-      lo, hi = int(np.min(kv_lens)), int(np.max(kv_lens))
-      if lo < 0 or hi > s:
-        raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
-                         f"values in [{lo}, {hi}]")
-    kv_lens = jnp.clip(kv_lens, 0, s).astype(jnp.int32)
+    kv_lens = _lengths(key_value_seq_lengths, "key_value_seq_lengths", b, s)
   return bias, mask, kv_lens
 
 
@@ -136,6 +206,7 @@ def select_backend(implementation: str | None, call: Call) -> str:
       if adapter is None or not backend.native():
         continue
       try:
+        _check_index_mask(name, adapter, call)
         adapter.check(call)
       except NotImplementedError as e:
         _log_fallback(call.method, BACKENDS[name].TITLE, str(e))
@@ -149,18 +220,44 @@ def select_backend(implementation: str | None, call: Call) -> str:
     raise NotImplementedError(
         f"method {call.method!r} has no {backend.TITLE} kernel; use "
         f"implementation={' or '.join(map(repr, others))}")
+  _check_index_mask(implementation, adapter, call)
   adapter.check(call)
   return implementation
 
 
-def _forward(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
-             is_causal, config, with_lse):
+def _check_index_mask(name, adapter, call: Call) -> None:
+  """NotImplementedError when a kernel backend's adapter does not compute
+  the call's index mask (the reference folds it into a dense mask)."""
+  if call.index_features and not adapter.index_mask and name != "reference":
+    raise NotImplementedError(
+        f"the {BACKENDS[name].TITLE} kernel of {call.method!r} does not take "
+        f"{', '.join(sorted(call.index_features))}")
+
+
+def _dense(mask, kv_lens, index_mask, *, n, t, s, is_causal):
+  """The mask ``[B, N, T, S]`` that holds ``index_mask`` and causality (for
+  the references, which take a dense mask)."""
+  bounds = row_bounds(kv_lens, index_mask, t=t, is_causal=is_causal)
+  vis = base.index_visibility(bounds, index_mask.q_segments,
+                              index_mask.kv_segments, t=t, s=s)[:, None]
+  vis = jnp.broadcast_to(vis, (vis.shape[0], n, t, s))
+  return vis if mask is None else vis & mask
+
+
+def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
+             implementation, scale, is_causal, config, with_lse):
   """The method's output in the query dtype, and with ``with_lse`` the
   float32 log-sum-exp ``[B, T, N]`` (:mod:`jaxattn.grad`: the kernel's own
   where it has one, else that of the float32 scores)."""
   backend = BACKENDS[implementation]
   adapter = backend.ADAPTERS[method]
+  if index_mask is not None and not adapter.index_mask:
+    mask = _dense(mask, kv_lens, index_mask, n=q.shape[2], t=q.shape[1],
+                  s=k.shape[1], is_causal=is_causal)
+    index_mask, is_causal = None, False
   static = dict(scale=scale, is_causal=is_causal, config=config)
+  if index_mask is not None:
+    static["index_mask"] = index_mask
   if with_lse and adapter.run_lse is not None:
     out, lse = adapter.run_lse(q, k, v, bias, mask, kv_lens, **static)
     return out.astype(q.dtype), grad.as_residual(lse.transpose(0, 2, 1))
@@ -173,24 +270,27 @@ def _forward(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
   if not with_lse:
     return out.astype(q.dtype), None
   lse = grad.float_logsumexp(q, k, bias, mask, kv_lens, scale=scale,
-                             is_causal=is_causal, on_gpu=triton.native())
+                             is_causal=is_causal, on_gpu=triton.native(),
+                             index_mask=index_mask)
   return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.jit, static_argnames=(
     "method", "implementation", "scale", "is_causal", "config",
     "return_residual"))
-def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
-               is_causal, config, return_residual=False):
+def _attention(q, k, v, bias, mask, kv_lens, index_mask, *, method,
+               implementation, scale, is_causal, config,
+               return_residual=False):
   """The method's forward, with the straight-through backward of
   :mod:`jaxattn.grad` as its VJP (cuDNN's where it takes the call)."""
   static = dict(method=method, implementation=implementation, scale=scale,
                 is_causal=is_causal, config=config)
   if getattr(config, "return_int8", False):   # an int8 output: no gradient
-    return _forward(q, k, v, bias, mask, kv_lens, with_lse=False, **static)[0]
+    return _forward(q, k, v, bias, mask, kv_lens, index_mask,
+                    with_lse=False, **static)[0]
   on_gpu = triton.native()
   path = grad.backward_path(q.dtype, q.shape[-1], bias is not None,
-                            mask is not None, on_gpu)
+                            mask is not None, on_gpu, index_mask is not None)
   # the backward kernel from the forward's residuals where the output is
   # exact and the kernel keeps its log-sum-exp (no second forward)
   keep_output = (grad.takes_residuals(path, method)
@@ -198,33 +298,40 @@ def _attention(q, k, v, bias, mask, kv_lens, *, method, implementation, scale,
                  is not None)
 
   @jax.custom_vjp
-  def attend(q, k, v, bias, mask, kv_lens):
-    out, lse = _forward(q, k, v, bias, mask, kv_lens,
+  def attend(q, k, v, bias, mask, kv_lens, index_mask):
+    out, lse = _forward(q, k, v, bias, mask, kv_lens, index_mask,
                         with_lse=return_residual, **static)
     return (out, lse) if return_residual else out
 
-  def attend_fwd(q, k, v, bias, mask, kv_lens):
+  def attend_fwd(q, k, v, bias, mask, kv_lens, index_mask):
     out, lse = _forward(
-        q, k, v, bias, mask, kv_lens,
+        q, k, v, bias, mask, kv_lens, index_mask,
         with_lse=return_residual or path == "xla" or keep_output, **static)
     primal = (out, lse) if return_residual else out
-    return primal, (q, k, v, bias, mask, kv_lens, lse,
+    return primal, (q, k, v, bias, mask, kv_lens, index_mask, lse,
                     out if keep_output else None)
 
   def attend_bwd(res, cotangent):
-    q, k, v, bias, mask, kv_lens, lse, out = res
+    q, k, v, bias, mask, kv_lens, index_mask, lse, out = res
     dout = cotangent[0] if return_residual else cotangent  # lse: no gradient
     return (*grad.attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout,
                                 scale=scale, is_causal=is_causal,
-                                on_gpu=on_gpu, out=out), None, None)
+                                on_gpu=on_gpu, out=out,
+                                index_mask=index_mask),
+            None, None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)
-  return attend(q, k, v, bias, mask, kv_lens)
+  return attend(q, k, v, bias, mask, kv_lens, index_mask)
 
 
 def dot_product_attention(query, key, value, bias=None, mask=None, *,
                           scale: float | None = None, is_causal: bool = False,
-                          key_value_seq_lengths=None, method: str = "fp32",
+                          query_seq_lengths=None,
+                          key_value_seq_lengths=None,
+                          local_window_size: int | tuple[int, int] | None = None,
+                          q_segment_ids=None, kv_segment_ids=None,
+                          causal_alignment: str = "top_left",
+                          method: str = "fp32",
                           implementation: str | None = None,
                           return_residual: bool = False,
                           **options: Any):
@@ -241,7 +348,22 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     scale: softmax scale, default ``1/sqrt(H)``.
     is_causal: top-left aligned causal mask (query ``i`` sees keys
       ``0..i``), as ``jax.nn.dot_product_attention``.
+    query_seq_lengths: int ``[B]``: query rows at or beyond it are padding;
+      they see no key and return 0 (jax.nn's output there; their
+      log-sum-exp is jax.nn's value for a row that sees no key).
     key_value_seq_lengths: int ``[B]``, keys at or beyond it are masked.
+    local_window_size: ``(left, right)`` or an int (``(w, w)``), as
+      jax.nn: query ``i`` sees keys ``i - left .. i + right`` (relative to
+      the aligned diagonal, below); with ``is_causal``, ``right`` is 0.
+    q_segment_ids, kv_segment_ids: int ``[B, T]`` and ``[B, S]``: packed
+      sequences; a score is kept only where the two ids are equal (combined
+      with everything else).  ``kv_segment_ids`` defaults to
+      ``q_segment_ids`` when ``T == S``.
+    causal_alignment: ``"top_left"`` (jax.nn's ``is_causal``: query ``i``
+      sees keys ``0..i``) or ``"bottom_right"`` (query ``i`` sees keys
+      ``0..i + kv_len - q_len``, per batch row from the lengths: the last
+      query sees the last key; chunked prefill and decode against a
+      cache).  The local window is centred on the same diagonal.
     method: one of ``jaxattn.METHODS`` ("fp32", "fp16_fp32", "fp16", "pasa",
       "sage", "int8", "fmha_int8", "fp8").
     implementation: None (on an H100/H200 the Mosaic GPU kernel when the
@@ -277,12 +399,17 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   """
   config = methods.get(method).config_cls.from_options(**options)
   unbatched = getattr(query, "ndim", 0) == 3
-  query, key, value, bias, mask, kv_lens, impl = _normalise(
+  query, key, value, bias, mask, kv_lens, index_mask, impl = _normalise(
       query, key, value, bias, mask, key_value_seq_lengths, config=config,
-      method=method, implementation=implementation, is_causal=is_causal)
+      method=method, implementation=implementation, is_causal=is_causal,
+      indices=dict(query_seq_lengths=query_seq_lengths,
+                   local_window_size=local_window_size,
+                   q_segment_ids=q_segment_ids,
+                   kv_segment_ids=kv_segment_ids,
+                   causal_alignment=causal_alignment))
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
-  out = _attention(query, key, value, bias, mask, kv_lens, method=method,
-                   implementation=impl, scale=scale,
+  out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
+                   method=method, implementation=impl, scale=scale,
                    is_causal=bool(is_causal), config=config,
                    return_residual=bool(return_residual))
   if unbatched:  # drop the batch axis again (not from a scalar scale)
@@ -294,11 +421,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
 
 def _normalise(query, key, value, bias, mask, key_value_seq_lengths, *,
-               config, method, implementation, is_causal):
+               config, method, implementation, is_causal, indices=None):
   """The inputs batched and checked, bias and mask broadcast, the key
-  lengths as int32 ``[B]``, and the backend that runs the call."""
+  lengths as int32 ``[B]``, the :class:`IndexMask` (or None) and the
+  backend that runs the call."""
+  indices = dict(indices or {})
   if getattr(query, "ndim", 0) == 3:
     query, key, value = (jnp.asarray(x)[None] for x in (query, key, value))
+    for name in ("query_seq_lengths", "q_segment_ids", "kv_segment_ids"):
+      if indices.get(name) is not None:   # one batch row
+        indices[name] = jnp.asarray(indices[name])[None]
     if bias is not None:
       bias = jnp.asarray(bias)
       bias = bias[None] if bias.ndim == 3 else bias
@@ -307,18 +439,28 @@ def _normalise(query, key, value, bias, mask, key_value_seq_lengths, *,
       mask = mask[None] if mask.ndim == 3 else mask
   bias, mask, kv_lens = _check_inputs(query, key, value, bias, mask,
                                       key_value_seq_lengths)
+  index_mask, features = _index_mask(
+      query, key, kv_lens,
+      **{"query_seq_lengths": None, "local_window_size": None,
+         "q_segment_ids": None, "kv_segment_ids": None,
+         "causal_alignment": "top_left", **indices})
   call = Call(method=method, config=config,
               q=jax.ShapeDtypeStruct(query.shape, query.dtype),
               k=jax.ShapeDtypeStruct(key.shape, key.dtype),
               has_bias=bias is not None, has_mask=mask is not None,
-              is_causal=bool(is_causal))
+              is_causal=bool(is_causal), index_features=features)
   impl = select_backend(implementation, call)
-  return query, key, value, bias, mask, kv_lens, impl
+  return query, key, value, bias, mask, kv_lens, index_mask, impl
 
 
 def resolve_implementation(query, key, value, bias=None, mask=None, *,
                            is_causal: bool = False,
-                           key_value_seq_lengths=None, method: str = "fp32",
+                           query_seq_lengths=None,
+                           key_value_seq_lengths=None,
+                           local_window_size=None, q_segment_ids=None,
+                           kv_segment_ids=None,
+                           causal_alignment: str = "top_left",
+                           method: str = "fp32",
                            implementation: str | None = None,
                            **options: Any) -> str:
   """The backend (``"mosaic"``, ``"triton"`` or ``"reference"``) that
@@ -327,18 +469,28 @@ def resolve_implementation(query, key, value, bias=None, mask=None, *,
   config = methods.get(method).config_cls.from_options(**options)
   return _normalise(query, key, value, bias, mask, key_value_seq_lengths,
                     config=config, method=method,
-                    implementation=implementation, is_causal=is_causal)[-1]
+                    implementation=implementation, is_causal=is_causal,
+                    indices=dict(query_seq_lengths=query_seq_lengths,
+                                 local_window_size=local_window_size,
+                                 q_segment_ids=q_segment_ids,
+                                 kv_segment_ids=kv_segment_ids,
+                                 causal_alignment=causal_alignment))[-1]
 
 
 def _named(method: str, doc: str):
   def fn(query, key, value, bias=None, mask=None, *, scale=None,
-         is_causal=False, key_value_seq_lengths=None, implementation=None,
+         is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+         local_window_size=None, q_segment_ids=None, kv_segment_ids=None,
+         causal_alignment="top_left", implementation=None,
          return_residual=False, **options):
     return dot_product_attention(
         query, key, value, bias, mask, scale=scale, is_causal=is_causal,
-        key_value_seq_lengths=key_value_seq_lengths, method=method,
-        implementation=implementation, return_residual=return_residual,
-        **options)
+        query_seq_lengths=query_seq_lengths,
+        key_value_seq_lengths=key_value_seq_lengths,
+        local_window_size=local_window_size, q_segment_ids=q_segment_ids,
+        kv_segment_ids=kv_segment_ids, causal_alignment=causal_alignment,
+        method=method, implementation=implementation,
+        return_residual=return_residual, **options)
   fn.__name__ = f"{method}_attention"
   fn.__doc__ = (f"{doc}\n\n``dot_product_attention(..., method={method!r})``; "
                 "same signature and options.")

@@ -198,6 +198,23 @@ def block_inputs(k, v, bias, mask, kv_len, *, t: int, block_k: int,
   return xs
 
 
+def index_visibility(bounds, q_segments=None, kv_segments=None, *, t: int,
+                     s: int, t0=0):
+  """bool ``[B, t, s]``: query rows ``t0 .. t0 + t`` see key ``j``, from the
+  bounds of :func:`pallas_kernels.common.row_bounds` and segment ids
+  (``[B, t]`` of those rows and ``[B, s]``, or None): the dense form of what
+  the kernels compute from indices."""
+  rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 1)
+  cols = jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 2)
+  row_len, col_len, lower, upper = (bounds[:, c, None, None]
+                                    for c in range(4))
+  vis = ((rows < row_len) & (cols < col_len) & (cols >= rows + lower)
+         & (cols <= rows + upper))
+  if q_segments is not None:
+    vis = vis & (q_segments[:, :, None] == kv_segments[:, None, :])
+  return vis
+
+
 def softmax_state(t: int, dv: int, dtype=jnp.float32):
   """The initial online-softmax state ``(m, l, O)`` of ``t`` query rows:
   ``(-inf, 0, 0)`` with ``O`` of width ``dv``."""

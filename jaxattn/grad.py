@@ -34,7 +34,7 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jaxattn import methods
+from jaxattn import base, methods
 from pallas_kernels import common, flash, flash_backward
 
 # jax.nn's value for a masked logit (its _apply_masks), so that a row that
@@ -64,17 +64,19 @@ _CUDNN_BWD_RULES = {
 logger = logging.getLogger("jaxattn")
 
 
-def _visible(t0, t, s, kv_lens, mask, is_causal):
+def _visible(t0, t, s, bounds, mask, q_seg=None, kv_seg=None):
   """bool ``[B, 1 or N, t, S]``: the scores kept for query rows ``t0 ..
-  t0 + t``."""
-  rows = t0 + lax.broadcasted_iota(jnp.int32, (t, s), 0)
-  cols = lax.broadcasted_iota(jnp.int32, (t, s), 1)
-  vis = cols[None, None] < kv_lens[:, None, None, None]
-  if is_causal:
-    vis = vis & (cols <= rows)[None, None]
-  if mask is not None:
-    vis = vis & mask
-  return vis
+  t0 + t`` (:func:`jaxattn.base.index_visibility` and the mask)."""
+  vis = base.index_visibility(bounds, q_seg, kv_seg, t=t, s=s, t0=t0)[:, None]
+  return vis if mask is None else vis & mask
+
+
+def _bounds(q, kv_lens, is_causal, index_mask):
+  """The bounds of :func:`pallas_kernels.common.row_bounds` and the segment
+  ids (or None) of ``index_mask``."""
+  im = index_mask or common.IndexMask()
+  return (common.row_bounds(kv_lens, im, t=q.shape[1], is_causal=is_causal),
+          im.q_segments, im.kv_segments)
 
 
 def _grouped(q, nk):
@@ -83,7 +85,7 @@ def _grouped(q, nk):
   return q.reshape(b, t, nk, n // nk, d)
 
 
-def _scores(q, k, bias, mask, kv_lens, *, t0, scale, is_causal):
+def _scores(q, k, bias, mask, bounds, q_seg, kv_seg, *, t0, scale):
   """float32 scores ``[B, N, t, S]`` of the query rows ``q`` (starting at
   ``t0``) and their visibility."""
   f32 = jnp.float32
@@ -94,7 +96,7 @@ def _scores(q, k, bias, mask, kv_lens, *, t0, scale, is_causal):
   s = s.reshape(b, n, t, k.shape[1]) * jnp.float32(scale)
   if bias is not None:
     s = s + bias.astype(f32)
-  return s, _visible(t0, t, k.shape[1], kv_lens, mask, is_causal)
+  return s, _visible(t0, t, k.shape[1], bounds, mask, q_seg, kv_seg)
 
 
 def _row_blocks(t: int, rows: int):
@@ -124,17 +126,18 @@ def _join_rows(x, axis, t):
 
 
 def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
-              rows=XLA_ROWS):
+              rows=XLA_ROWS, index_mask=None):
   """float32 ``[B, T, N]``: the natural-log log-sum-exp of each query row's
   visible float32 scores, :data:`MASK_VALUE` for a row that sees no key
   (jax.nn's ``return_residual`` value there)."""
   t = q.shape[1]
   n, _, rows = _row_blocks(t, rows)
+  bounds, q_seg, kv_seg = _bounds(q, kv_lens, is_causal, index_mask)
 
   def block(args):
-    i, qb, bb, mb = args
-    s, vis = _scores(qb, k, bb, mb, kv_lens, t0=i * rows, scale=scale,
-                     is_causal=is_causal)
+    i, qb, bb, mb, sb = args
+    s, vis = _scores(qb, k, bb, mb, bounds, sb, kv_seg, t0=i * rows,
+                     scale=scale)
     s = jnp.where(vis, s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)
     m_safe = jnp.where(jnp.isfinite(m), m, 0.0)
@@ -142,23 +145,24 @@ def logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
     return jnp.where(jnp.isneginf(lse), MASK_VALUE, lse)   # [B, N, rows]
   lse = lax.map(block, (jnp.arange(n), _split_rows(q, 1, n, rows),
                         _split_rows(bias, 2, n, rows),
-                        _split_rows(mask, 2, n, rows)))
+                        _split_rows(mask, 2, n, rows),
+                        _split_rows(q_seg, 1, n, rows)))
   return _join_rows(lse, 2, t).transpose(0, 2, 1)
 
 
 def float_logsumexp(q, k, bias, mask, kv_lens, *, scale, is_causal,
-                    on_gpu):
+                    on_gpu, index_mask=None):
   """The residual ``[B, T, N]`` (as :func:`logsumexp`) of the float32
   scores for a forward that did not keep one: on a GPU from the Triton
   flash kernel (a forward pass whose output is dropped, K standing in for
   V), else :func:`logsumexp`."""
   if not on_gpu:
     return logsumexp(q, k, bias, mask, kv_lens, scale=scale,
-                     is_causal=is_causal)
+                     is_causal=is_causal, index_mask=index_mask)
   _, lse = flash.flash_attention(
       q, k, k, kv_lens, bias, mask, scale=scale, is_causal=is_causal,
       precision="fp32", params=flash.default_params("fp32", q.shape[-1]),
-      return_lse=True)
+      return_lse=True, index_mask=index_mask)
   return as_residual(lse.transpose(0, 2, 1))
 
 
@@ -169,7 +173,7 @@ def as_residual(lse):
 
 
 def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
-            rows=XLA_ROWS):
+            rows=XLA_ROWS, index_mask=None):
   """``(dq, dk, dv, dbias)`` of softmax attention (the module docstring),
   float32, from the log-sum-exp ``lse`` ``[B, T, N]``; dbias ``[B, N, T,
   S]`` or None.  Query rows in blocks of ``rows``."""
@@ -180,12 +184,13 @@ def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
   kf, vf = k.astype(f32), v.astype(f32)
   nb, _, rows = _row_blocks(t, rows)
   hi = lax.Precision.HIGHEST
+  bounds, q_seg, kv_seg = _bounds(q, kv_lens, is_causal, index_mask)
 
   def block(carry, args):
     dk, dv = carry
-    i, qb, dob, lseb, bb, mb = args
-    s, vis = _scores(qb, k, bb, mb, kv_lens, t0=i * rows, scale=scale,
-                     is_causal=is_causal)
+    i, qb, dob, lseb, bb, mb, sb = args
+    s, vis = _scores(qb, k, bb, mb, bounds, sb, kv_seg, t0=i * rows,
+                     scale=scale)
     lse_t = lseb.transpose(0, 2, 1)[..., None]                 # [B, N, r, 1]
     p = jnp.where(vis, jnp.exp(s - lse_t), 0.0)
     pg = p.reshape(b, nk, g, rows, s_len)
@@ -206,7 +211,7 @@ def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
   split = functools.partial(_split_rows, n=nb, rows=rows)
   (dk, dv), (dq, dbias) = lax.scan(block, zeros, (
       jnp.arange(nb), split(q, 1), split(dout, 1), split(lse, 1),
-      split(bias, 2), split(mask, 2)))
+      split(bias, 2), split(mask, 2), split(q_seg, 1)))
   dq = _join_rows(dq, 1, t)
   if bias is not None:
     dbias = _join_rows(dbias, 2, t)
@@ -302,7 +307,7 @@ def cudnn_residual_vjp(q, k, v, kv_lens, out, lse, dout, *, scale, is_causal):
 
 
 def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal, out=None,
-               lse=None):
+               lse=None, index_mask=None):
   """``(dq, dk, dv)`` float32 from the Triton backward kernels, with ``O``
   and the log-sum-exp ``[B, T, N]`` of an exact forward: ``out`` and
   ``lse`` where given, else the flash kernel's ``"fp32"`` forward (so the
@@ -312,7 +317,7 @@ def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal, out=None,
     out, lse = flash.flash_attention(
         q, k, v, kv_lens, scale=scale, is_causal=is_causal,
         precision="fp32", params=flash.default_params("fp32", d),
-        return_lse=True)
+        return_lse=True, index_mask=index_mask)
   else:
     lse = lse.transpose(0, 2, 1)
   # rows with no key (-inf, or jax.nn's MASK_VALUE): P = 0 there anyway
@@ -322,7 +327,8 @@ def pallas_vjp(q, k, v, kv_lens, dout, *, scale, is_causal, out=None,
   tiles = _BACKWARD_TILES[min(max(pl.next_power_of_2(d), 64), 256)]
   return flash_backward.flash_backward(
       q, k, v, kv_lens, lse, delta, dout.astype(q.dtype), scale=scale,
-      is_causal=is_causal, params=common.KernelParams(*tiles))
+      is_causal=is_causal, params=common.KernelParams(*tiles),
+      index_mask=index_mask)
 
 
 def takes_residuals(path: str, method: str) -> bool:
@@ -335,10 +341,13 @@ def takes_residuals(path: str, method: str) -> bool:
                               and cudnn_residual_reason() is None)
 
 
-def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
-  """``"cudnn"`` where cuDNN's backward takes the call, else ``"triton"``
-  on a GPU without a bias or dense mask, else ``"xla"``."""
-  if cudnn_reason(q_dtype, head_dim, has_bias, has_mask, on_gpu) is None:
+def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu,
+                  has_index_mask=False) -> str:
+  """``"cudnn"`` where cuDNN's backward takes the call (no query lengths,
+  alignment, window or segment ids), else ``"triton"`` on a GPU without a
+  bias or dense mask, else ``"xla"``."""
+  if (not has_index_mask and cudnn_reason(q_dtype, head_dim, has_bias,
+                                          has_mask, on_gpu) is None):
     return "cudnn"
   if on_gpu and not has_bias and not has_mask:
     return "triton"
@@ -346,7 +355,7 @@ def backward_path(q_dtype, head_dim, has_bias, has_mask, on_gpu) -> str:
 
 
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
-                  is_causal, on_gpu, out=None):
+                  is_causal, on_gpu, out=None, index_mask=None):
   """``(dq, dk, dv, dbias)`` in the inputs' dtypes (dbias None without a
   bias) by :func:`backward_path`: cuDNN's or the Triton backward (from
   ``out`` and ``lse`` where both are given, the forward's exact output,
@@ -354,12 +363,13 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
   (its own checks run at trace time), the XLA form runs, with the
   log-sum-exp computed here if the forward did not keep it."""
   path = backward_path(q.dtype, q.shape[-1], bias is not None,
-                       mask is not None, on_gpu)
+                       mask is not None, on_gpu, index_mask is not None)
   grads = None
   if path == "triton":
     grads = (*pallas_vjp(q, k, v, kv_lens, dout, scale=scale,
                          is_causal=is_causal, out=out,
-                         lse=None if out is None else lse), None)
+                         lse=None if out is None else lse,
+                         index_mask=index_mask), None)
   elif path == "cudnn":
     try:
       if out is not None and lse is not None:
@@ -374,9 +384,10 @@ def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale,
   if grads is None:
     if lse is None:
       lse = float_logsumexp(q, k, bias, mask, kv_lens, scale=scale,
-                            is_causal=is_causal, on_gpu=on_gpu)
+                            is_causal=is_causal, on_gpu=on_gpu,
+                            index_mask=index_mask)
     grads = xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, scale=scale,
-                    is_causal=is_causal)
+                    is_causal=is_causal, index_mask=index_mask)
   dq, dk, dv, dbias = grads
   return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype),
           None if bias is None else dbias.astype(bias.dtype))

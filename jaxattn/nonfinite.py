@@ -16,6 +16,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
+
+from jaxattn import base
+from pallas_kernels import common
 
 
 def finite(x):
@@ -35,14 +39,20 @@ def row_flags(x):
   return ~jnp.isfinite(x).all(axis=-1)
 
 
-def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape):
+def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape,
+                 index_mask=None):
   """Bool ``[B, T, N]`` (``q_shape``): the rows a non-finite input
   reaches, as in float32 attention.  A row is reached when its query has a
   NaN/Inf (``bad_q`` ``[B, T, N]``, or None) and it sees a key, or when it
   sees a key whose key or value vector has one (``bad_kv`` ``[B, S, K]``).
   ``kv_lens``, causality and ``mask`` ``[B, N, T, S]`` decide what a row
   sees.  (Float32 attention also ignores an infinite key in the rows where
-  its score is ``-inf``; here every row that sees it is reached.)"""
+  its score is ``-inf``; here every row that sees it is reached.)
+  ``index_mask`` (:class:`pallas_kernels.common.IndexMask`): query lengths,
+  alignment, window and segment ids, as the kernels see them."""
+  if index_mask is not None:
+    return _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask,
+                                 is_causal=is_causal, q_shape=q_shape)
   b, t, n = q_shape[:3]
   s, nk = bad_kv.shape[1], bad_kv.shape[2]
   bad_key = jnp.repeat(bad_kv, n // nk, axis=2)                # [B, S, N]
@@ -70,6 +80,35 @@ def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape):
   return (bad_q & sees_any) | reached
 
 
+def _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask, *,
+                          is_causal, q_shape):
+  """:func:`rows_reached` with an index mask: the ``[B, T, S]`` visibility
+  is built only when some input is not finite (a ``lax.cond``), so that
+  finite inputs pay one reduction."""
+  b, t, n = q_shape[:3]
+  s, nk = bad_kv.shape[1], bad_kv.shape[2]
+  any_bad = bad_kv.any() if bad_q is None else bad_kv.any() | bad_q.any()
+
+  def reached():
+    bounds = common.row_bounds(kv_lens, index_mask, t=t, is_causal=is_causal)
+    vis = base.index_visibility(bounds, index_mask.q_segments,
+                                index_mask.kv_segments, t=t, s=s)  # [B, T, S]
+    bad_key = jnp.repeat(bad_kv, n // nk, axis=2)               # [B, S, N]
+    if mask is None:
+      hit = jnp.einsum("bts,bsn->btn", vis.astype(jnp.float32),
+                       bad_key.astype(jnp.float32)) > 0
+      sees_any = vis.any(-1)[..., None]
+    else:
+      vis = vis[:, None] & mask                                 # [B, N, T, S]
+      hit = (vis & jnp.transpose(bad_key, (0, 2, 1))[:, :, None, :]).any(-1)
+      hit = jnp.transpose(hit, (0, 2, 1))
+      sees_any = jnp.transpose(vis.any(-1), (0, 2, 1))
+    hit = jnp.broadcast_to(hit, (b, t, n))
+    return hit if bad_q is None else (bad_q & sees_any) | hit
+
+  return lax.cond(any_bad, reached, lambda: jnp.zeros((b, t, n), bool))
+
+
 def poison(out, rows):
   """NaN in the output ``rows`` (``[B, T, N]``).  An int8 output (a tuple:
   one scale for the tensor) gets a NaN scale when any row is reached."""
@@ -78,14 +117,18 @@ def poison(out, rows):
   return jnp.where(rows[..., None], jnp.nan, out)
 
 
-def confined(run, q, k, v, bias, mask, kv_lens, *, is_causal, **kwargs):
+def confined(run, q, k, v, bias, mask, kv_lens, *, is_causal,
+             index_mask=None, **kwargs):
   """``run(q, k, v, bias, mask, kv_lens, is_causal=..., **kwargs)`` on the
   inputs with NaN/Inf set to 0, NaN in the rows they reach: one XLA pass
   over Q, K and V (the backends whose kernels flag non-finite rows
   themselves need none)."""
   bad_q = row_flags(q)
   bad_kv = row_flags(k) | row_flags(v)
+  if index_mask is not None:
+    kwargs["index_mask"] = index_mask
   out = run(finite(q), finite(k), finite(v), bias, mask, kv_lens,
             is_causal=is_causal, **kwargs)
   return poison(out, rows_reached(bad_q, bad_kv, mask, kv_lens,
-                                  is_causal=is_causal, q_shape=q.shape))
+                                  is_causal=is_causal, q_shape=q.shape,
+                                  index_mask=index_mask))

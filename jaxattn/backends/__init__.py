@@ -34,6 +34,13 @@ class Call:
   has_bias: bool
   has_mask: bool
   is_causal: bool
+  # what the index mask holds: a subset of INDEX_FEATURES
+  index_features: frozenset = frozenset()
+
+
+# The parts of :class:`pallas_kernels.common.IndexMask` a call may use.
+INDEX_FEATURES = ("query_seq_lengths", "causal_alignment",
+                  "local_window_size", "segment_ids")
 
 
 def _accepts(call: Call) -> None:
@@ -46,7 +53,8 @@ class Adapter:
 
   ``run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config)`` takes
   the normalised BTNH inputs (bias/mask ``[B, N, T, S]`` or None, kv_lens
-  int32 ``[B]``) and returns ``[B, T, N, Dv]`` (any float dtype; the API
+  int32 ``[B]``; with ``index_mask`` true also the keyword ``index_mask``,
+  a :class:`pallas_kernels.common.IndexMask` or None) and returns ``[B, T, N, Dv]`` (any float dtype; the API
   casts to the query dtype) or the method's tuple.  ``check(call)`` raises
   NotImplementedError with the reason when the backend cannot run the call
   as asked, including any option it cannot honour.
@@ -72,21 +80,23 @@ class Adapter:
   kernel: Callable[..., Any] | None = None
   confines_nonfinite: bool = False
   run_lse: Callable[..., Any] | None = None
+  index_mask: bool = False
 
 
 def two_stage(prepare, kernel, check=_accepts) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
   dtype with NaN in the rows a non-finite input reaches."""
-  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+  def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          index_mask=None):
     ops = prepare(q, k, v, kv_lens, scale=scale, config=config)
     out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
-                 config=config, out_dtype=q.dtype)
+                 config=config, out_dtype=q.dtype, index_mask=index_mask)
     return nonfinite.poison(out, nonfinite.rows_reached(
         ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
-        is_causal=is_causal, q_shape=q.shape))
+        is_causal=is_causal, q_shape=q.shape, index_mask=index_mask))
   return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
-                 confines_nonfinite=True)
+                 confines_nonfinite=True, index_mask=True)
 
 
 def refuse_options(config, names, why: str) -> None:

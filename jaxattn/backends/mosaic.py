@@ -106,7 +106,7 @@ def _exact_when_needed(kernel, score_bound):
 
 
 def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-          return_lse=False):
+          return_lse=False, index_mask=None):
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
   amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
@@ -114,10 +114,12 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   return _exact_when_needed(functools.partial(
       mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
-      out_dtype=q.dtype, return_lse=return_lse), bound)
+      out_dtype=q.dtype, return_lse=return_lse, index_mask=index_mask),
+      bound)
 
 
-def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          index_mask=None):
   """PASA's keys shifted once per block (as for the Triton kernel), then
   its softmax in the kernel (``S'``, ``P`` float16, the state in
   ``config.state_dtype``); float16 output."""
@@ -129,9 +131,11 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
       q.astype(f16), k_shifted, v, kv_lens, qk="fp16", pv="fp16",
       is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=inva,
-      pasa_state_dtype=config.state_dtype, out_dtype=f16)
+      pasa_state_dtype=config.state_dtype, out_dtype=f16,
+      index_mask=index_mask)
   return nonfinite.poison(out, nonfinite.rows_reached(
-      None, bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape))
+      None, bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
+      index_mask=index_mask))
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config):
@@ -143,7 +147,7 @@ def _prepare(method, q, k, v, kv_lens, *, scale, config):
 
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
-            *, is_causal, config, out_dtype):
+            *, is_causal, config, out_dtype, index_mask=None):
   """The kernel on :class:`jaxattn.operands.QuantizedOperands`.  The
   method's ``block_k`` is the kernel's: it is part of the numerics (the
   online softmax rounds P against each block's running max; scale
@@ -157,13 +161,16 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
       out_scale=ops.out_scale, out_shift=ops.out_shift,
       v_keys_ordered=ops.v_keys_ordered,
-      out_dtype=_out_dtype(out_dtype)), ops.score_bound)
+      out_dtype=_out_dtype(out_dtype), index_mask=index_mask),
+      ops.score_bound)
 
 
 ADAPTERS = {
     "fp32": Adapter(run=_fp32, check=_check_fp32,
-                    run_lse=functools.partial(_fp32, return_lse=True)),
-    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True),
+                    run_lse=functools.partial(_fp32, return_lse=True),
+                    index_mask=True),
+    "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
+                    index_mask=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,

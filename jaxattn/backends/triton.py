@@ -63,12 +63,14 @@ def quantized_params(head_dim: int, config) -> common.KernelParams:
 
 def _flash(precision):
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-          return_lse=False):
+          return_lse=False, index_mask=None):
     params = flash_params(precision, q.shape[-1], config)
     return flash.flash_attention(q, k, v, kv_lens, bias, mask, scale=scale,
                                  is_causal=is_causal, precision=precision,
-                                 params=params, return_lse=return_lse)
-  return Adapter(run=run, run_lse=functools.partial(run, return_lse=True))
+                                 params=params, return_lse=return_lse,
+                                 index_mask=index_mask)
+  return Adapter(run=run, run_lse=functools.partial(run, return_lse=True),
+                 index_mask=True)
 
 
 def _check_pasa(call: Call) -> None:
@@ -84,7 +86,7 @@ def _check_pasa(call: Call) -> None:
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-          return_lse=False):
+          return_lse=False, index_mask=None):
   """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
   kernel; a non-finite query poisons its own row there."""
   k_shifted, v, inva, bad_kv = operands.pasa_operands(
@@ -93,11 +95,13 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       q, k_shifted, v, kv_lens, bias, mask, scale=inva,
       is_causal=is_causal, precision="pasa",
       params=flash_params("pasa", q.shape[-1], config),
-      state_dtype=config.state_dtype, return_lse=return_lse)
+      state_dtype=config.state_dtype, return_lse=return_lse,
+      index_mask=index_mask)
   out = nonfinite.poison(outs[0] if return_lse else outs,
                          nonfinite.rows_reached(
                              None, bad_kv, mask, kv_lens,
-                             is_causal=is_causal, q_shape=q.shape))
+                             is_causal=is_causal, q_shape=q.shape,
+                             index_mask=index_mask))
   return (out, outs[1]) if return_lse else out
 
 
@@ -107,7 +111,7 @@ def _prepare(method, q, k, v, kv_lens, *, scale, config):
 
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
-            *, is_causal, config, out_dtype):
+            *, is_causal, config, out_dtype, index_mask=None):
   """The quantized kernel on :class:`jaxattn.operands.QuantizedOperands`
   (``head_dim``: the unpacked width, for the tuned table)."""
   head_dim = ops.k.shape[-1] * (2 if ops.qk == "int4" else 1)
@@ -117,15 +121,17 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       params=quantized_params(head_dim, config),
       v_block_scale=ops.v_block_scale, v_colsum=ops.v_colsum,
       q_block_bias=ops.q_block_bias, bias_rows=ops.bias_rows,
-      out_scale=ops.out_scale, out_shift=ops.out_shift, out_dtype=out_dtype)
+      out_scale=ops.out_scale, out_shift=ops.out_shift, out_dtype=out_dtype,
+      index_mask=index_mask)
 
 
-def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
+def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          index_mask=None):
   """The uint8-P kernel, then the method's output quantization."""
   ops, v_scale = operands.fmha_operands(q, k, v, kv_lens, scale=scale,
                                         config=config, block_k=config.block_k)
   o = _kernel(ops, kv_lens, bias, mask, is_causal=is_causal, config=config,
-              out_dtype=jnp.float32)
+              out_dtype=jnp.float32, index_mask=index_mask)
   o_i8, o_scale = fmha.fmha_quantize_output(o * (v_scale / 255.0),
                                             config=config)
   if config.return_int8:
@@ -138,8 +144,9 @@ ADAPTERS = {
     "fp16_fp32": _flash("fp16_fp32"),
     "fp16": _flash("fp16"),
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
-                    run_lse=functools.partial(_pasa, return_lse=True)),
+                    run_lse=functools.partial(_pasa, return_lse=True),
+                    index_mask=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
-    "fmha_int8": Adapter(run=_fmha),
+    "fmha_int8": Adapter(run=_fmha, index_mask=True),
 }
