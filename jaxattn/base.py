@@ -27,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels import common
 from pallas_kernels.common import LOG2E
 
 DEFAULT_BLOCK_K = 128
@@ -206,10 +207,8 @@ def index_visibility(bounds, q_segments=None, kv_segments=None, *, t: int,
   the kernels compute from indices."""
   rows = t0 + jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 1)
   cols = jax.lax.broadcasted_iota(jnp.int32, (1, t, s), 2)
-  row_len, col_len, lower, upper = (bounds[:, c, None, None]
-                                    for c in range(4))
-  vis = ((rows < row_len) & (cols < col_len) & (cols >= rows + lower)
-         & (cols <= rows + upper))
+  vis = common.visible(rows, cols,
+                       tuple(bounds[:, c, None, None] for c in range(4)))
   if q_segments is not None:
     vis = vis & (q_segments[:, :, None] == kv_segments[:, None, :])
   return vis

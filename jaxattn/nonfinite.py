@@ -82,29 +82,19 @@ def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape,
 
 def _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask, *,
                           is_causal, q_shape):
-  """:func:`rows_reached` with an index mask: the ``[B, T, S]`` visibility
-  is built only when some input is not finite (a ``lax.cond``), so that
-  finite inputs pay one reduction."""
+  """:func:`rows_reached` with an index mask, as its dense mask: built only
+  when some input is not finite (a ``lax.cond``), so that finite inputs pay
+  one reduction."""
   b, t, n = q_shape[:3]
-  s, nk = bad_kv.shape[1], bad_kv.shape[2]
   any_bad = bad_kv.any() if bad_q is None else bad_kv.any() | bad_q.any()
 
   def reached():
     bounds = common.row_bounds(kv_lens, index_mask, t=t, is_causal=is_causal)
     vis = base.index_visibility(bounds, index_mask.q_segments,
-                                index_mask.kv_segments, t=t, s=s)  # [B, T, S]
-    bad_key = jnp.repeat(bad_kv, n // nk, axis=2)               # [B, S, N]
-    if mask is None:
-      hit = jnp.einsum("bts,bsn->btn", vis.astype(jnp.float32),
-                       bad_key.astype(jnp.float32)) > 0
-      sees_any = vis.any(-1)[..., None]
-    else:
-      vis = vis[:, None] & mask                                 # [B, N, T, S]
-      hit = (vis & jnp.transpose(bad_key, (0, 2, 1))[:, :, None, :]).any(-1)
-      hit = jnp.transpose(hit, (0, 2, 1))
-      sees_any = jnp.transpose(vis.any(-1), (0, 2, 1))
-    hit = jnp.broadcast_to(hit, (b, t, n))
-    return hit if bad_q is None else (bad_q & sees_any) | hit
+                                index_mask.kv_segments, t=t,
+                                s=bad_kv.shape[1])[:, None]  # [B, 1, T, S]
+    return rows_reached(bad_q, bad_kv, vis if mask is None else vis & mask,
+                        kv_lens, is_causal=False, q_shape=q_shape)
 
   return lax.cond(any_bad, reached, lambda: jnp.zeros((b, t, n), bool))
 

@@ -354,8 +354,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
                                         layout=plgpu.Layout.WGMMA) + q_base
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                         layout=plgpu.Layout.WGMMA) + j * bk
-          visible = ((rows < row_len) & (cols < col_len)
-                     & (cols >= rows + lower) & (cols <= rows + upper))
+          visible = common.visible(rows, cols,
+                                   (row_len, col_len, lower, upper))
           if has_segments:
             k_seg = plgpu.load(kseg_ref.at[batch, pl.ds(j * bk, bk)],
                                layout=col_layout, optimized=False)
