@@ -41,7 +41,7 @@ def _lengths(x, name, b, n):
   return jnp.clip(x, 0, n).astype(jnp.int32)
 
 
-def _window(local_window_size):
+def window_pair(local_window_size):
   """``local_window_size`` as ``(left, right)`` (jax.nn: an int is a
   symmetric window); None on a side is unbounded."""
   w = local_window_size
@@ -64,8 +64,9 @@ def _segments(ids, name, b, n):
   return ids.astype(jnp.int32)
 
 
-def _index_mask(query, key, kv_lens, *, query_seq_lengths, local_window_size,
-                q_segment_ids, kv_segment_ids, causal_alignment):
+def build_index_mask(query, key, kv_lens, *, query_seq_lengths,
+                     local_window_size, q_segment_ids, kv_segment_ids,
+                     causal_alignment):
   """The checked :class:`IndexMask` of the call (None when it holds
   nothing) and the names of the features it uses."""
   b, t = query.shape[:2]
@@ -79,7 +80,7 @@ def _index_mask(query, key, kv_lens, *, query_seq_lengths, local_window_size,
     q_lens = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
     features.append("query_seq_lengths")
   if local_window_size is not None:
-    window = _window(local_window_size)
+    window = window_pair(local_window_size)
     features.append("local_window_size")
   if causal_alignment == "bottom_right":
     # query row i's diagonal is key i + kv_len - q_len (its last row sees
@@ -439,7 +440,7 @@ def _normalise(query, key, value, bias, mask, key_value_seq_lengths, *,
       mask = mask[None] if mask.ndim == 3 else mask
   bias, mask, kv_lens = _check_inputs(query, key, value, bias, mask,
                                       key_value_seq_lengths)
-  index_mask, features = _index_mask(
+  index_mask, features = build_index_mask(
       query, key, kv_lens,
       **{"query_seq_lengths": None, "local_window_size": None,
          "q_segment_ids": None, "kv_segment_ids": None,

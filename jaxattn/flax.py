@@ -28,7 +28,15 @@ Flax's arguments and what happens to them:
   heads (grouped-query attention, ``num_kv_heads``).
 * ``bias`` (float) and ``mask`` (True keeps a score; cast to bool as flax
   does), broadcastable to ``[batch..., heads, q_len, kv_len]``.
-* ``is_causal`` (nnx): top-left aligned, as in flax and ``jax.nn``.
+* ``is_causal`` (nnx): top-left aligned, as in flax and ``jax.nn``
+  (``make_attention_fn(..., causal_alignment="bottom_right")`` for chunked
+  prefill; ``local_window_size=`` there for sliding-window layers).
+* Packed sequences and padding without a dense mask: pass a
+  :class:`SequenceMask` as the module's ``mask``; flax hands it through to
+  the ``attention_fn`` unchanged (outside flax's own decode cache, which
+  builds a dense mask)::
+
+    y = layer(x, mask=jaxattn.flax.SequenceMask(q_segment_ids=segments))
 * ``dtype``: as in flax's default, the inputs are cast to it (default: their
   promoted dtype) and the output has it; the method's own arithmetic
   (float16 scores, int8/int4/fp8 operands, float32 softmax) is unchanged.
@@ -51,7 +59,10 @@ import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import dataclasses
+
 import flax  # noqa: F401  (the integration requires Flax to be installed)
+import jax
 import jax.numpy as jnp
 
 from jaxattn import api, methods, sage
@@ -71,7 +82,42 @@ def _flatten_batch(x, n_batch: int, batch_shape: tuple[int, ...]):
   return x.reshape((math.prod(batch_shape), *x.shape[n_batch:]))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SequenceMask:
+  """What a packed or padded batch masks, as indices: pass it as the
+  ``mask`` of ``nnx.MultiHeadAttention`` / ``linen.MultiHeadDotProductAttention``
+  with a jaxattn ``attention_fn``, which computes it inside the kernels
+  (``jaxattn.dot_product_attention``'s keywords of the same names).
+
+  Attributes:
+    q_segment_ids: int ``[batch..., q_len]``: a score is kept only where the
+      query's and the key's ids are equal (packed documents).
+    kv_segment_ids: int ``[batch..., kv_len]``; default ``q_segment_ids``.
+    query_seq_lengths: int ``[batch...]``: later query rows are padding
+      (their output is 0).
+    key_value_seq_lengths: int ``[batch...]``: later keys are masked.
+    mask: an ordinary boolean mask to combine, or None.
+  """
+  q_segment_ids: Any = None
+  kv_segment_ids: Any = None
+  query_seq_lengths: Any = None
+  key_value_seq_lengths: Any = None
+  mask: Any = None
+
+
+def _flat_index(x, n_batch: int, batch_shape: tuple[int, ...], trailing: int):
+  """``x`` ``[batch..., *trailing dims]`` -> ``[prod(batch), ...]``."""
+  if x is None:
+    return None
+  x = jnp.broadcast_to(jnp.asarray(x), batch_shape + jnp.shape(x)[
+      jnp.ndim(x) - trailing:])
+  return x.reshape((math.prod(batch_shape), *x.shape[n_batch:]))
+
+
 def make_attention_fn(method: str = "fp32", implementation: str | None = None,
+                      *, local_window_size: int | tuple[int, int] | None = None,
+                      causal_alignment: str = "top_left",
                       **options: Any) -> AttentionFn:
   """An ``attention_fn`` for ``nnx.MultiHeadAttention`` /
   ``linen.MultiHeadDotProductAttention`` computing
@@ -81,6 +127,10 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
     method: one of ``jaxattn.METHODS``.
     implementation: None, "reference", "triton" or "mosaic", as in
       ``jaxattn.dot_product_attention``.
+    local_window_size: sliding-window attention for this layer (an int or
+      ``(left, right)``, as ``jax.nn``).
+    causal_alignment: ``"top_left"`` (flax's ``is_causal``) or
+      ``"bottom_right"`` (the last query sees the last key).
     **options: the method's options (e.g. ``preset="sage2-4b"``); checked
       now, an unknown one raises ``TypeError``.
 
@@ -94,6 +144,11 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
   m = methods.get(method)               # unknown method: ValueError now
   m.config_cls.from_options(**options)  # unknown option: TypeError now
   implementation = api.implementation_name(implementation)
+  if local_window_size is not None:
+    api.window_pair(local_window_size)   # a bad window: ValueError now
+  if causal_alignment not in api.CAUSAL_ALIGNMENTS:
+    raise ValueError(f"causal_alignment must be one of "
+                     f"{api.CAUSAL_ALIGNMENTS}, got {causal_alignment!r}")
 
   def attention_fn(query, key, value, bias=None, mask=None,
                    broadcast_dropout: bool = True, dropout_rng=None,
@@ -125,6 +180,18 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
                        f"{key.shape}, value {value.shape}")
     flat = lambda x: x.reshape((math.prod(batch_shape), *x.shape[n_batch:]))
     q, k, v = map(flat, (query, key, value))
+    index = {}
+    if isinstance(mask, SequenceMask):
+      index = dict(
+          q_segment_ids=_flat_index(mask.q_segment_ids, n_batch,
+                                    batch_shape, 1),
+          kv_segment_ids=_flat_index(mask.kv_segment_ids, n_batch,
+                                     batch_shape, 1),
+          query_seq_lengths=_flat_index(mask.query_seq_lengths, n_batch,
+                                        batch_shape, 0),
+          key_value_seq_lengths=_flat_index(mask.key_value_seq_lengths,
+                                            n_batch, batch_shape, 0))
+      mask = mask.mask
     if bias is not None:
       bias = _flatten_batch(bias, n_batch, batch_shape)
     if mask is not None:
@@ -132,7 +199,8 @@ def make_attention_fn(method: str = "fp32", implementation: str | None = None,
                             batch_shape)
     out = api.dot_product_attention(
         q, k, v, bias, mask, is_causal=is_causal, method=method,
-        implementation=implementation, **options)
+        implementation=implementation, local_window_size=local_window_size,
+        causal_alignment=causal_alignment, **index, **options)
     return out.reshape((*batch_shape, *out.shape[1:])).astype(dtype)
 
   attention_fn.method = method

@@ -56,7 +56,7 @@ import numpy as np
 import torch
 
 import jaxattn
-from jaxattn import base, grad
+from jaxattn import api, base, grad
 
 LAYOUTS = {"HND": (0, 2, 1, 3), "NHD": (0, 1, 2, 3)}  # to BTNH, self-inverse
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -163,18 +163,30 @@ def _bias_and_mask(attn_mask, mask_meta):
   return attn_mask, None
 
 
+def _index_kwargs(index, index_static):
+  """``dot_product_attention``'s index keywords from the operator's
+  ``(q_lens, q_segment_ids, kv_segment_ids)`` arrays and the static
+  ``(local_window_size, causal_alignment)``."""
+  q_lens, q_seg, kv_seg = index
+  window, alignment = index_static
+  return dict(query_seq_lengths=q_lens, q_segment_ids=q_seg,
+              kv_segment_ids=kv_seg, local_window_size=window,
+              causal_alignment=alignment)
+
+
 @functools.partial(jax.jit, static_argnames=(
     "qkv_meta", "mask_meta", "layout", "method", "implementation", "scale",
-    "is_causal", "options", "return_residual"))
-def _run(qkv, attn_mask, kv_lens, *, qkv_meta, mask_meta, layout, method,
-         implementation, scale, is_causal, options, return_residual=False):
+    "is_causal", "options", "index_static", "return_residual"))
+def _run(qkv, attn_mask, kv_lens, index, *, qkv_meta, mask_meta, layout,
+         method, implementation, scale, is_causal, options, index_static,
+         return_residual=False):
   q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
   bias, mask = _bias_and_mask(attn_mask, mask_meta)
   out = jaxattn.dot_product_attention(
       q, k, v, bias, mask, scale=scale, is_causal=is_causal,
       key_value_seq_lengths=kv_lens, method=method,
       implementation=implementation, return_residual=return_residual,
-      **dict(options))
+      **_index_kwargs(index, index_static), **dict(options))
   if return_residual:   # (output, log-sum-exp [B, T, N])
     return jnp.transpose(out[0], LAYOUTS[layout]), out[1]
   if isinstance(out, tuple):  # (int8 output, its scale)
@@ -192,10 +204,10 @@ def _sum_to(x, shape):
 
 @functools.partial(jax.jit, static_argnames=(
     "qkv_meta", "mask_meta", "dout_meta", "out_meta", "layout", "scale",
-    "is_causal", "on_gpu"))
-def _run_backward(qkv, attn_mask, kv_lens, lse, dout, out, *, qkv_meta,
-                  mask_meta, dout_meta, out_meta, layout, scale, is_causal,
-                  on_gpu):
+    "is_causal", "index_static", "on_gpu"))
+def _run_backward(qkv, attn_mask, kv_lens, index, lse, dout, out, *,
+                  qkv_meta, mask_meta, dout_meta, out_meta, layout, scale,
+                  is_causal, index_static, on_gpu):
   """``(dq, dk, dv, dbias)`` in the tensors' layout (dbias shaped like the
   float ``attn_mask``, or None); ``out``, the forward's output, or None."""
   q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
@@ -212,10 +224,13 @@ def _run_backward(qkv, attn_mask, kv_lens, lse, dout, out, *, qkv_meta,
     mask = jnp.broadcast_to(mask, full)
   kv_lens = (jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None
              else jnp.asarray(kv_lens, jnp.int32))
+  index_mask, _ = api.build_index_mask(q, k, kv_lens,
+                                 **_index_kwargs(index, index_static))
   scale = base.default_scale(d) if scale is None else scale
   dq, dk, dv, dbias = grad.attention_vjp(
       q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
-      scale=scale, is_causal=is_causal, on_gpu=on_gpu, out=out)
+      scale=scale, is_causal=is_causal, on_gpu=on_gpu, out=out,
+      index_mask=index_mask)
   to_layout = lambda x: jnp.transpose(x, LAYOUTS[layout])
   return (to_layout(dq), to_layout(dk), to_layout(dv),
           None if dbias is None else _sum_to(dbias, bias_shape))
@@ -226,7 +241,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               is_causal: bool = False, sm_scale: float | None = None,
               attn_mask: torch.Tensor | None = None, dropout_p: float = 0.0,
               key_value_seq_lengths=None, implementation: str | None = None,
-              return_lse: bool = False, **options):
+              return_lse: bool = False, query_seq_lengths=None,
+              local_window_size: int | tuple[int, int] | None = None,
+              q_segment_ids=None, kv_segment_ids=None,
+              causal_alignment: str = "top_left", **options):
   """``jaxattn.dot_product_attention`` on torch tensors, without copies.
 
   Args:
@@ -246,6 +264,15 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       ``jaxattn.dot_product_attention``).
     return_lse: also return the float32 log-sum-exp ``[B, N, T]``
       (``dot_product_attention``'s ``return_residual``).
+    query_seq_lengths: ints ``[B]``; query rows at or beyond return 0.
+    local_window_size: an int or ``(left, right)``: sliding-window
+      attention, as ``jaxattn.dot_product_attention``.
+    q_segment_ids, kv_segment_ids: int tensors ``[B, T]`` / ``[B, S]``
+      (in either layout): packed sequences, a score is kept only where the
+      ids are equal; ``kv_segment_ids`` defaults to ``q_segment_ids``.
+    causal_alignment: ``"top_left"`` (torch SDPA's ``is_causal``) or
+      ``"bottom_right"`` (the last query sees the last key: chunked
+      prefill).
 
   Returns:
     The output in ``q``'s layout and dtype (float16 for float8 ``q``), on
@@ -285,23 +312,33 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
                        f"{kv_lens.tolist()}")
 
+  index = _index_tensors(q, tensor_layout, query_seq_lengths, q_segment_ids,
+                         kv_segment_ids)
+  window = local_window_size
+  if isinstance(window, (tuple, list)):
+    window = [None if w is None else int(w) for w in window]
+  elif window is not None:
+    window = int(window)
+  index_static = _encode([window, causal_alignment])
   if options.get("return_int8"):   # an int8 output: no autograd
-    out = _forward(q, k, v, attn_mask, kv_lens, layout=tensor_layout,
+    out = _forward(q, k, v, attn_mask, kv_lens, index, layout=tensor_layout,
                    method=method, implementation=implementation,
                    sm_scale=sm_scale, is_causal=is_causal, options=options,
-                   need_lse=False)
+                   index_static=index_static, need_lse=False)
     return tuple(_export_array(x) for x in out)
   lens = None if kv_lens is None else torch.as_tensor(kv_lens,
                                                       dtype=torch.int32)
+  indexed = (any(x is not None for x in index) or local_window_size is not None
+             or causal_alignment != "top_left")
   need_lse = return_lse or (
       torch.is_grad_enabled()
       and any(x is not None and x.requires_grad for x in (q, k, v, attn_mask))
-      and (_backward_path(q, attn_mask) == "xla"
-           or _keeps_output(q, attn_mask, method)))
+      and (_backward_path(q, attn_mask, indexed) == "xla"
+           or _keeps_output(q, attn_mask, method, indexed)))
   out, lse = torch.ops.jaxattn.attention(
-      q, k, v, attn_mask, lens, tensor_layout, method, implementation,
-      None if sm_scale is None else float(sm_scale), bool(is_causal),
-      _encode(options), need_lse)
+      q, k, v, attn_mask, lens, *index, tensor_layout, method,
+      implementation, None if sm_scale is None else float(sm_scale),
+      bool(is_causal), _encode(options), index_static, need_lse)
   return (out, lse.transpose(1, 2)) if return_lse else out
 
 
@@ -312,7 +349,32 @@ def _encode(options) -> str:
   return json.dumps(options, sort_keys=True)
 
 
-def _backward_path(q, attn_mask) -> str:
+def _index_tensors(q, layout, query_seq_lengths, q_segment_ids,
+                   kv_segment_ids):
+  """The index arrays as int32 tensors on ``q``'s device (or None)."""
+  out = []
+  for name, x in (("query_seq_lengths", query_seq_lengths),
+                  ("q_segment_ids", q_segment_ids),
+                  ("kv_segment_ids", kv_segment_ids)):
+    if x is not None:
+      x = torch.as_tensor(x, device=q.device)
+      if x.dtype.is_floating_point or x.dtype.is_complex or \
+          x.dtype == torch.bool:
+        raise TypeError(f"{name} must hold integers, got {x.dtype}")
+      x = x.to(torch.int32).contiguous()
+    out.append(x)
+  # checked here as key_value_seq_lengths are, except under torch.compile
+  # (no data-dependent branch there): jax clips them to [0, T]
+  if query_seq_lengths is not None and not torch.compiler.is_compiling():
+    t = q.shape[2] if layout == "HND" else q.shape[1]
+    lens = out[0].cpu().numpy()
+    if lens.size and (lens.min() < 0 or lens.max() > t):
+      raise ValueError(f"query_seq_lengths must lie in [0, {t}], got "
+                       f"{lens.tolist()}")
+  return tuple(out)
+
+
+def _backward_path(q, attn_mask, indexed=False) -> str:
   """Which backward :func:`jaxattn.grad.attention_vjp` will take: "xla"
   needs the forward's log-sum-exp, "cudnn" recomputes its own."""
   dtype = jnp.float16 if q.dtype in _FLOAT8 else jnp.dtype(
@@ -320,7 +382,8 @@ def _backward_path(q, attn_mask) -> str:
   has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
   has_mask = attn_mask is not None and attn_mask.dtype == torch.bool
   return grad.backward_path(dtype, q.shape[-1], has_bias, has_mask,
-                            on_gpu=q.device.type == "cuda")
+                            on_gpu=q.device.type == "cuda",
+                            has_index_mask=indexed)
 
 
 @torch.compiler.assume_constant_result
@@ -329,15 +392,20 @@ def _takes_residuals(path: str, method: str) -> bool:
   return grad.takes_residuals(path, method)
 
 
-def _keeps_output(q, attn_mask, method) -> bool:
+def _keeps_output(q, attn_mask, method, indexed=False) -> bool:
   """Whether the backward takes the forward's output and log-sum-exp as
   its residuals (an exact method), as :func:`jaxattn.dot_product_attention`
   does."""
-  return _takes_residuals(_backward_path(q, attn_mask), method)
+  return _takes_residuals(_backward_path(q, attn_mask, indexed), method)
 
 
-def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,
-             sm_scale, is_causal, options, need_lse):
+def _import_index(index):
+  return tuple(None if x is None else _import_tensor(x)[0] for x in index)
+
+
+def _forward(q, k, v, attn_mask, kv_lens, index, *, layout, method,
+             implementation, sm_scale, is_causal, options, index_static,
+             need_lse):
   """The jitted call on the tensors' buffers (jax arrays out)."""
   to_btnh = LAYOUTS[layout]
   qkv, qkv_meta = [], []
@@ -350,28 +418,35 @@ def _forward(q, k, v, attn_mask, kv_lens, *, layout, method, implementation,
   if kv_lens is not None:
     kv_lens = np.asarray(torch.as_tensor(kv_lens).cpu())
   with _jax_device(q.device):
-    return _run(tuple(qkv), mask_array, kv_lens, qkv_meta=tuple(qkv_meta),
-                mask_meta=mask_meta, layout=layout, method=method,
-                implementation=implementation,
+    return _run(tuple(qkv), mask_array, kv_lens, _import_index(index),
+                qkv_meta=tuple(qkv_meta), mask_meta=mask_meta, layout=layout,
+                method=method, implementation=implementation,
                 scale=None if sm_scale is None else float(sm_scale),
                 is_causal=bool(is_causal), options=_freeze(options),
+                index_static=_freeze(json.loads(index_static)),
                 return_residual=need_lse)
 
 
+_INDEX_SCHEMA = "Tensor? q_lens, Tensor? q_segment_ids, Tensor? kv_segment_ids"
 _SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
-           "str layout, str method, str? implementation, float? sm_scale, "
-           "bool is_causal, str options, bool need_lse) -> (Tensor, Tensor)")
+           f"{_INDEX_SCHEMA}, str layout, str method, str? implementation, "
+           "float? sm_scale, bool is_causal, str options, str index_static, "
+           "bool need_lse) -> (Tensor, Tensor)")
 
 
 @torch.library.custom_op("jaxattn::attention", mutates_args=(),
                          schema=_SCHEMA)
-def _attention_op(q, k, v, attn_mask, kv_lens, layout, method,
-                  implementation, sm_scale, is_causal, options, need_lse):
+def _attention_op(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
+                  kv_segment_ids, layout, method, implementation, sm_scale,
+                  is_causal, options, index_static, need_lse):
   """``(output in q's layout, float32 log-sum-exp [B, T, N] or an empty
-  tensor)``."""
-  out = _forward(q, k, v, attn_mask, kv_lens, layout=layout, method=method,
-                 implementation=implementation, sm_scale=sm_scale,
-                 is_causal=is_causal, options=json.loads(options),
+  tensor)``; ``index_static``: JSON ``[local_window_size,
+  causal_alignment]``."""
+  out = _forward(q, k, v, attn_mask, kv_lens,
+                 (q_lens, q_segment_ids, kv_segment_ids), layout=layout,
+                 method=method, implementation=implementation,
+                 sm_scale=sm_scale, is_causal=is_causal,
+                 options=json.loads(options), index_static=index_static,
                  need_lse=need_lse)
   if need_lse:
     return _export_array(out[0]), _export_array(out[1])
@@ -386,8 +461,9 @@ def _shapes(q, v, layout):
 
 
 @_attention_op.register_fake
-def _attention_fake(q, k, v, attn_mask, kv_lens, layout, method,
-                    implementation, sm_scale, is_causal, options, need_lse):
+def _attention_fake(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
+                    kv_segment_ids, layout, method, implementation, sm_scale,
+                    is_causal, options, index_static, need_lse):
   out_shape, lse_shape = _shapes(q, v, layout)
   dtype = torch.float16 if q.dtype in _FLOAT8 else q.dtype
   return (q.new_empty(out_shape, dtype=dtype),
@@ -396,15 +472,16 @@ def _attention_fake(q, k, v, attn_mask, kv_lens, layout, method,
 
 _BACKWARD_SCHEMA = (
     "(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
-    "Tensor lse, Tensor dout, Tensor? out, str layout, float? sm_scale, "
-    "bool is_causal) "
+    f"{_INDEX_SCHEMA}, Tensor lse, Tensor dout, Tensor? out, str layout, "
+    "float? sm_scale, bool is_causal, str index_static) "
     "-> (Tensor, Tensor, Tensor, Tensor)")
 
 
 @torch.library.custom_op("jaxattn::attention_backward", mutates_args=(),
                          schema=_BACKWARD_SCHEMA)
-def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, out,
-                           layout, sm_scale, is_causal):
+def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
+                           q_segment_ids, kv_segment_ids, lse, dout, out,
+                           layout, sm_scale, is_causal, index_static):
   """``(dq, dk, dv, dbias)`` shaped like q, k, v and a float attn_mask
   (an empty tensor without one); ``out``, the forward's output as cuDNN's
   residual, or None."""
@@ -419,39 +496,50 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, lse, dout, out,
   lens = None if kv_lens is None else np.asarray(kv_lens.cpu())
   with _jax_device(q.device):
     grads = _run_backward(
-        tuple(arrays[:3]), mask_array, lens, _import_tensor(lse)[0],
+        tuple(arrays[:3]), mask_array, lens,
+        _import_index((q_lens, q_segment_ids, kv_segment_ids)),
+        _import_tensor(lse)[0],
         arrays[3], None if out is None else arrays[4],
         qkv_meta=tuple(metas[:3]), mask_meta=mask_meta, dout_meta=metas[3],
         out_meta=None if out is None else metas[4], layout=layout,
-        scale=sm_scale, is_causal=is_causal, on_gpu=q.device.type == "cuda")
+        scale=sm_scale, is_causal=is_causal,
+        index_static=_freeze(json.loads(index_static)),
+        on_gpu=q.device.type == "cuda")
   dbias = (q.new_empty((0,)) if grads[3] is None
            else _export_array(grads[3]))
   return (*(_export_array(g) for g in grads[:3]), dbias)
 
 
 @_attention_backward_op.register_fake
-def _attention_backward_fake(q, k, v, attn_mask, kv_lens, lse, dout, out,
-                             layout, sm_scale, is_causal):
+def _attention_backward_fake(q, k, v, attn_mask, kv_lens, q_lens,
+                             q_segment_ids, kv_segment_ids, lse, dout, out,
+                             layout, sm_scale, is_causal, index_static):
   has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
   return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
           torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
 
 
 def _setup_context(ctx, inputs, output):
-  (q, k, v, attn_mask, kv_lens, layout, method, _, sm_scale, is_causal, _,
-   _) = inputs
-  keep = output[1].numel() > 0 and _keeps_output(q, attn_mask, method)
-  ctx.save_for_backward(q, k, v, attn_mask, kv_lens, output[1],
-                        output[0] if keep else None)
-  ctx.static = (layout, sm_scale, is_causal)
+  (q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, layout, method, _,
+   sm_scale, is_causal, _, index_static, _) = inputs
+  indexed = (any(x is not None for x in (q_lens, q_seg, kv_seg))
+             or index_static != _encode([None, "top_left"]))
+  keep = output[1].numel() > 0 and _keeps_output(q, attn_mask, method,
+                                                 indexed)
+  ctx.save_for_backward(q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg,
+                        output[1], output[0] if keep else None)
+  ctx.static = (layout, sm_scale, is_causal, index_static)
   ctx.bias = attn_mask is not None and attn_mask.dtype != torch.bool
 
 
 def _backward(ctx, dout, _):
-  q, k, v, attn_mask, kv_lens, lse, out = ctx.saved_tensors
+  q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, lse, out = \
+      ctx.saved_tensors
+  layout, sm_scale, is_causal, index_static = ctx.static
   dq, dk, dv, dbias = torch.ops.jaxattn.attention_backward(
-      q, k, v, attn_mask, kv_lens, lse, dout, out, *ctx.static)
-  return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 8)
+      q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, lse, dout, out,
+      layout, sm_scale, is_causal, index_static)
+  return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 12)
 
 
 _attention_op.register_autograd(_backward, setup_context=_setup_context)

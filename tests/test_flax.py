@@ -329,3 +329,34 @@ def test_nnx_training_step_loss_falls_as_with_jax_nn(method):
   assert ours[-1] < 0.2 * ours[0]
   rel = np.abs(ours - ref) / ref
   assert rel.max() < (1e-4 if method == "fp32" else 0.05), rel.max()
+
+
+@pytest.mark.parametrize("method", ["fp32", "sage"])
+def test_sequence_mask_matches_flax_dense_mask(method):
+  """A packed, padded batch through ``SequenceMask`` (indices, computed in
+  the kernels) equals flax's default attention with the equivalent dense
+  mask; a sliding window from ``make_attention_fn`` too."""
+  x = jax.random.normal(jax.random.key(1), (*BATCH, T, FEATURES))
+  starts = jnp.asarray([[[20, 31], [7, 40]], [[48, 48], [1, 2]]])  # segments
+  segments = (jnp.arange(T) >= starts[..., :1]).astype(jnp.int32) + (
+      jnp.arange(T) >= starts[..., 1:])
+  lengths = jnp.asarray([[48, 45], [40, 40]])  # every row sees a key
+  keep_key = jnp.arange(T) < lengths[..., None]
+  window = 9
+  pos = jnp.broadcast_to(jnp.arange(T), (*BATCH, T))
+  dense = nnx.combine_masks(
+      nnx.make_causal_mask(jnp.ones((*BATCH, T))),
+      nnx.make_attention_mask(segments, segments, jnp.equal),
+      nnx.make_attention_mask(jnp.ones((*BATCH, T), bool), keep_key),
+      nnx.make_attention_mask(pos, pos, lambda i, j: i - j <= window))
+  fn = jflax.make_attention_fn(method, implementation="reference",
+                               local_window_size=(window, 0))
+  sequence_mask = jflax.SequenceMask(
+      q_segment_ids=segments, key_value_seq_lengths=lengths)
+  out = _nnx_layer(jnp.float32, fn)(x, mask=sequence_mask, is_causal=True)
+  ref = _nnx_layer(jnp.float32)(x, mask=dense)
+  _check_close(out, ref, method, jnp.float32)
+  with pytest.raises(ValueError, match="local_window_size"):
+    jflax.make_attention_fn(method, local_window_size=-1)
+  with pytest.raises(ValueError, match="causal_alignment"):
+    jflax.make_attention_fn(method, causal_alignment="left")

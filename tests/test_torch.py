@@ -419,3 +419,36 @@ def test_cuda_stream_order_without_synchronising():
     want = jt.attention(q, k, v, method="fp32", is_causal=True) * 2.0
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+def test_index_mask_keywords_forward_backward_and_compile():
+  """Query lengths, a window, segment ids and bottom-right alignment pass
+  through the operator: output and gradients equal jax's on the same call
+  (GQA, bottom-right with S > T), eager and under ``torch.compile``."""
+  q, k, v = (x.requires_grad_() for x in hnd(14))
+  g = torch.Generator().manual_seed(2)
+  q_seg = torch.sort(torch.randint(0, 3, (B, T), generator=g), dim=1).values
+  kv_seg = torch.sort(torch.randint(0, 3, (B, S), generator=g), dim=1).values
+  index = dict(query_seq_lengths=torch.tensor([T, 11]),
+               local_window_size=(5, 2), q_segment_ids=q_seg,
+               kv_segment_ids=kv_seg, causal_alignment="bottom_right")
+  jax_index = {name: (jnp.asarray(x.numpy()) if isinstance(x, torch.Tensor)
+                      else x) for name, x in index.items()}
+  w = torch.randn((B, N, T, H), generator=g)
+  fn = lambda q, k, v: jt.attention(q, k, v, is_causal=True, **REF, **index)
+  got = _grads(fn, (q, k, v), w)
+  compiled = _grads(torch.compile(fn, fullgraph=True), (q, k, v), w)
+  f = lambda q, k, v: jnp.sum(jaxattn.dot_product_attention(
+      q, k, v, is_causal=True, **REF, **jax_index) * btnh(w))
+  want = jax.grad(f, argnums=(0, 1, 2))(
+      *(btnh(x.detach()) for x in (q, k, v)))
+  assert np.allclose(fn(q, k, v).detach().numpy(),
+                     jaxattn_hnd(q.detach(), k.detach(), v.detach(),
+                                 is_causal=True, **jax_index), atol=1e-6)
+  for a, b, c in zip(got, compiled, want):
+    assert np.allclose(a.numpy(), to_hnd(c), rtol=1e-5, atol=1e-6)
+    assert torch.allclose(a, b, rtol=1e-6, atol=1e-7)
+  with pytest.raises(ValueError, match="query_seq_lengths must lie in"):
+    jt.attention(q, k, v, query_seq_lengths=[T + 1, 0])
+  with pytest.raises(TypeError, match="q_segment_ids must hold integers"):
+    jt.attention(q, k, v, q_segment_ids=q_seg.float())
