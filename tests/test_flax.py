@@ -353,8 +353,9 @@ def test_sequence_mask_matches_flax_dense_mask(method):
                                local_window_size=(window, 0))
   sequence_mask = jflax.SequenceMask(
       q_segment_ids=segments, key_value_seq_lengths=lengths)
-  out = _nnx_layer(jnp.float32, fn)(x, mask=sequence_mask, is_causal=True)
-  ref = _nnx_layer(jnp.float32)(x, mask=dense)
+  with jax.default_matmul_precision("highest"):   # no TF32 on a GPU
+    out = _nnx_layer(jnp.float32, fn)(x, mask=sequence_mask, is_causal=True)
+    ref = _nnx_layer(jnp.float32)(x, mask=dense)
   _check_close(out, ref, method, jnp.float32)
   with pytest.raises(ValueError, match="local_window_size"):
     jflax.make_attention_fn(method, local_window_size=-1)
