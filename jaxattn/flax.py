@@ -281,4 +281,132 @@ def attention_fns(config: Mapping[str, str | Mapping[str, Any]], *,
 
 
 __all__ = ["make_attention_fn", "attention_fns", "layer_options",
-           "LayerAttentionFns"]
+           "LayerAttentionFns", "SequenceMask"]
+
+
+# ----------------------------------------------------------------------------
+# Decode with a quantized KV cache (jaxattn.decode).
+
+from flax import nnx as _nnx  # noqa: E402
+
+from jaxattn import decode as _decode  # noqa: E402
+
+_CACHE_FIELDS = ("k", "v", "k_scale", "v_scale", "k_mean")
+
+
+class QuantizedCacheAttention(_nnx.MultiHeadAttention):
+  """``nnx.MultiHeadAttention`` whose decode path keeps a
+  :class:`jaxattn.KVCache` (int8 / fp8 / float16 / bfloat16, quantized
+  once per token as it is appended) and attends with
+  :func:`jaxattn.decode_attention`.  A drop-in: same constructor (plus the
+  keywords below), same parameters, same ``init_cache(input_shape)``;
+  without ``decode`` it is ``nnx.MultiHeadAttention`` unchanged.
+
+  Args (keywords, besides ``nnx.MultiHeadAttention``'s):
+    cache_method: the decode method ("int8", "fp8", "sage", "pasa",
+      "fp32"); the cache has its default format
+      (:data:`jaxattn.decode.METHOD_CACHES`) unless ``cache_options``
+      (``k_dtype``, ``v_dtype``, ``smooth_k``) say otherwise.
+    decode_options: keyword arguments of ``jaxattn.decode_attention``
+      (``implementation``, ``num_splits``, ...).
+
+  In decode mode a call takes ``[batch, T, features]`` (one batch dim):
+  its ``T`` tokens are appended at the cache index and attend to the
+  cache causally (bottom-right).  ``T <= 16`` runs the decode kernel; a
+  longer call (a prompt) attends to the dequantized cache through
+  ``jaxattn.dot_product_attention`` (float32), then decode continues
+  from the quantized cache.  ``mask`` must be None in decode mode (the
+  positions come from the cache index), as must dropout.
+  """
+
+  def __init__(self, *args, cache_method: str = "int8",
+               cache_options: Mapping[str, Any] | None = None,
+               decode_options: Mapping[str, Any] | None = None, **kwargs):
+    super().__init__(*args, **kwargs)
+    if cache_method not in _decode.METHOD_CACHES:
+      raise ValueError(f"cache_method must be one of "
+                       f"{sorted(_decode.METHOD_CACHES)}, got "
+                       f"{cache_method!r}")
+    self.cache_method = cache_method
+    self.cache_options = dict(cache_options or {})
+    self.decode_options = dict(decode_options or {})
+    _decode.DecodeConfig.from_options(**{
+        k: v for k, v in self.decode_options.items()
+        if k != "implementation"})
+    for name in _CACHE_FIELDS:
+      setattr(self, f"kv_{name}", _nnx.data(None))
+
+  def init_cache(self, input_shape, dtype=jnp.float32):
+    """An empty quantized cache for inputs ``[batch, max_length,
+    features]`` (``dtype`` is unused: the cache format is the
+    method's)."""
+    del dtype
+    if len(input_shape) != 3:
+      raise ValueError("QuantizedCacheAttention takes inputs [batch, "
+                       f"length, features], got shape {input_shape}")
+    batch, max_length = input_shape[0], input_shape[1]
+    cache = _decode.KVCache.create(
+        batch, max_length, self.num_kv_heads, self.head_dim,
+        method=self.cache_method, **self.cache_options)
+    for name in _CACHE_FIELDS:
+      x = getattr(cache, name)
+      setattr(self, f"kv_{name}",
+              _nnx.data(None) if x is None else _nnx.Cache(x))
+    self.cache_index = _nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+  def _cache(self):
+    return _decode.KVCache(**{
+        name: (None if getattr(self, f"kv_{name}") is None
+               else getattr(self, f"kv_{name}")[...])
+        for name in _CACHE_FIELDS})
+
+  def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
+               deterministic=None, rngs=None, sow_weights=False,
+               decode=None, **kwargs):
+    decode = self.decode if decode is None else decode
+    if not decode:
+      return super().__call__(inputs_q, inputs_k, inputs_v, mask=mask,
+                              deterministic=deterministic, rngs=rngs,
+                              sow_weights=sow_weights, decode=False,
+                              **kwargs)
+    if self.kv_k is None or self.cache_index is None:
+      raise ValueError("Autoregressive cache not initialized, call "
+                       "``init_cache`` first.")
+    if mask is not None:
+      raise ValueError("the quantized-cache decode path takes no mask: "
+                       "the positions come from the cache index")
+    if self.dropout_rate > 0.0 and not (
+        deterministic if deterministic is not None
+        else self.deterministic):
+      raise ValueError("the quantized-cache decode path has no dropout")
+    inputs_k = inputs_q if inputs_k is None else inputs_k
+    inputs_v = inputs_k if inputs_v is None else inputs_v
+    query = self.query(inputs_q)
+    key = self.key(inputs_k)
+    value = self.value(inputs_v)
+    if self.normalize_qk:
+      query, key = self.query_ln(query), self.key_ln(key)
+    b, t = query.shape[0], query.shape[1]
+    index = self.cache_index[...]
+    lengths = jnp.full((b,), index, jnp.int32)
+    cache = _decode.append(self._cache(), key, value, lengths)
+    for name in _CACHE_FIELDS:
+      x = getattr(cache, name)
+      if x is not None:
+        getattr(self, f"kv_{name}")[...] = x
+    self.cache_index[...] = index + t
+    new_lengths = lengths + t
+    if t <= _decode.MAX_NEW_TOKENS:
+      x = _decode.decode_attention(query, cache, new_lengths,
+                                   method=self.cache_method,
+                                   **self.decode_options)
+    else:   # a prompt: float attention on the dequantized cache
+      k, v = cache.dequantize()
+      x = api.dot_product_attention(
+          query.astype(jnp.float32), k, v, is_causal=True,
+          causal_alignment="bottom_right",
+          key_value_seq_lengths=new_lengths).astype(query.dtype)
+    return self.out(x.astype(query.dtype))
+
+
+__all__ += ["QuantizedCacheAttention"]

@@ -1,0 +1,227 @@
+"""Decode against a KV cache: jaxattn.decode_attention (Triton split-K
+kernel) on int8 / fp8 / sage / bfloat16 / PASA caches, against cuDNN
+bfloat16 and against the memory floor.
+
+    python benchmarks/decode.py OUT_DIR [--batches 1,8,32]
+        [--lengths 4096,32768,131072] [--new-tokens 1,16]
+        [--methods cudnn_bf16,fp32,int8,fp8,sage,pasa] [--heads 32x8]
+        [--head-dim 128] [--options block_k=64,num_warps=4]
+        [--budget-s 600] [--iters 20] [--reps 5]
+
+Writes ``OUT_DIR/decode.json`` and ``OUT_DIR/decode.log`` (tracebacks of
+failed rows).  Per point ``(B, S, T)``, with ``N`` query and ``K`` KV heads
+(GQA) and every row's cache full (length ``S``):
+
+* ``cudnn_bf16``: ``jax.nn.dot_product_attention(implementation="cudnn")``
+  of ``T`` bfloat16 queries against bfloat16 K/V ``[B, S, K, D]``
+  (non-causal: the causal mask among ``T <= 16`` new tokens costs nothing);
+* a jaxattn method: ``jaxattn.decode_attention`` on a cache of that
+  method's format, filled with random values directly on the device;
+* ``floor_ms``: the bytes of the cache the call must read (values and
+  scales) at the copy bandwidth measured in the same process
+  (``copy_gbps``: a jitted ``x * 2`` of 1 GiB, read plus write);
+  ``vs_floor`` is ``ms / floor_ms`` (1.0 is the floor) and
+  ``speedup_vs_cudnn`` is cuDNN's time over the row's.
+
+Points run in the order given, the cheapest first within a point, and
+stop when ``--budget-s`` runs out (the rest are recorded as skipped).
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jaxattn  # noqa: E402
+from jaxattn import decode  # noqa: E402
+from jaxattn.tuning import time_call  # noqa: E402
+
+METHODS = ("cudnn_bf16", "fp32", "int8", "fp8", "sage", "pasa")
+
+
+def copy_bandwidth(nbytes: int = 1 << 30) -> float:
+  """Bytes per second of a jitted elementwise copy (read + write)."""
+  x = jnp.ones((nbytes // 2,), jnp.bfloat16)
+  f = jax.jit(lambda a: a * 2)
+  t = time_call(f, (x,), iters=20, reps=5)
+  del x
+  return 2 * nbytes / t
+
+
+def random_cache(method: str, b: int, s: int, nk: int, d: int,
+                 seed: int = 0) -> decode.KVCache:
+  """A full cache of ``method``'s format with random contents, made on the
+  device (no float copy of the whole cache ever exists)."""
+  fmt = decode.METHOD_CACHES[method][0]
+  keys = jax.random.split(jax.random.key(seed), 4)
+  shape = (b, nk, s, d)
+
+  def values(key, dtype):
+    if dtype == "int8":
+      return jax.random.randint(key, shape, -127, 128, jnp.int8)
+    x = jax.random.normal(key, shape, jnp.bfloat16)
+    if dtype == "float8_e4m3fn":
+      return (x * 100).astype(jnp.float8_e4m3fn)
+    return x.astype(dtype)
+
+  def scales(key, dtype):
+    if dtype not in ("int8", "float8_e4m3fn"):
+      return None
+    return jax.random.uniform(key, shape[:3], jnp.float32, 0.005, 0.02)
+
+  return decode.KVCache(
+      k=values(keys[0], fmt[0]), v=values(keys[1], fmt[1]),
+      k_scale=scales(keys[2], fmt[0]), v_scale=scales(keys[3], fmt[1]),
+      k_mean=(jnp.zeros((b, nk, d), jnp.float32) if fmt[2] else None))
+
+
+def cache_bytes(cache: decode.KVCache, length: int) -> int:
+  """Bytes a decode call reads for ``length`` keys of every row."""
+  return cache.batch * length * cache.bytes_per_token()
+
+
+def bench_point(b, s, t, n, nk, d, methods, *, bandwidth, options, iters,
+                reps, log):
+  """``{method: {ms, ...} or {error}}`` at one point."""
+  rows = {}
+  kq = jax.random.key(1)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.bfloat16)
+  lengths = jnp.full((b,), s, jnp.int32)
+  for name in methods:
+    try:
+      if name == "cudnn_bf16":
+        kk, kv = jax.random.split(jax.random.key(2))
+        k = jax.random.normal(kk, (b, s, nk, d), jnp.bfloat16)
+        v = jax.random.normal(kv, (b, s, nk, d), jnp.bfloat16)
+        f = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, implementation="cudnn"))
+        ms = time_call(f, (q, k, v), iters, reps) * 1e3
+        nbytes = 2 * b * s * nk * d * 2
+        del k, v
+      else:
+        cache = random_cache(name, b, s, nk, d)
+        f = jax.jit(lambda q, c, l, name=name: jaxattn.decode_attention(
+            q, c, l, method=name, implementation="triton", **options))
+        ms = time_call(f, (q, cache, lengths), iters, reps) * 1e3
+        nbytes = cache_bytes(cache, s)
+        del cache
+      floor = nbytes / bandwidth * 1e3
+      rows[name] = dict(ms=ms, bytes=nbytes, floor_ms=floor,
+                        vs_floor=ms / floor)
+    except Exception as e:  # noqa: BLE001  (one failure must not stop the run)
+      rows[name] = dict(error=f"{type(e).__name__}: {e}"[:500])
+      log.write(f"--- {b}x{s}x{t} {name}\n{traceback.format_exc()}\n")
+      log.flush()
+    gc.collect()
+  ref = rows.get("cudnn_bf16", {}).get("ms")
+  for r in rows.values():
+    if ref and "ms" in r:
+      r["speedup_vs_cudnn"] = ref / r["ms"]
+  return rows
+
+
+def format_table(points) -> str:
+  lines = [f"{'B':>3} {'S':>7} {'T':>3} {'method':<11} {'ms':>8} "
+           f"{'x cuDNN':>8} {'floor ms':>9} {'x floor':>8}"]
+  for p in points:
+    for name, r in p["rows"].items():
+      head = f"{p['B']:>3} {p['S']:>7} {p['T']:>3} {name:<11} "
+      if "ms" in r:
+        lines.append(head + f"{r['ms']:8.3f} "
+                     f"{r.get('speedup_vs_cudnn', float('nan')):8.2f} "
+                     f"{r['floor_ms']:9.3f} {r['vs_floor']:8.2f}")
+      else:
+        lines.append(head + r.get("error", r.get("skipped", "?"))[:60])
+  return "\n".join(lines)
+
+
+def _ints(text):
+  return [int(x) for x in text.split(",") if x]
+
+
+def _options(text):
+  out = {}
+  for item in filter(None, (text or "").split(",")):
+    k, v = item.split("=")
+    out[k] = int(v)
+  return out
+
+
+def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
+        new_tokens=(1, 16), methods=METHODS, heads=(32, 8), head_dim=128,
+        options=None, budget_s=600.0, iters=20, reps=5, points=None,
+        bandwidth=None):
+  """Runs the grid (or the explicit ``points``, ``(B, S, T)`` in order)
+  and writes ``decode.json`` / ``decode.log`` in ``out_dir``; returns the
+  document."""
+  os.makedirs(out_dir, exist_ok=True)
+  t_start = time.perf_counter()
+  options = dict(options or {})
+  n, nk = heads
+  doc = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+             device=str(jax.devices()[0].device_kind), jax=jax.__version__,
+             heads=[n, nk], head_dim=head_dim, options=options, points=[])
+  path = os.path.join(out_dir, "decode.json")
+  with open(os.path.join(out_dir, "decode.log"), "a") as log:
+    bw = bandwidth or copy_bandwidth()
+    doc["copy_gbps"] = bw / 1e9
+    if points is None:
+      points = [(b, s, t) for s in lengths for b in batches
+                for t in new_tokens]
+    for b, s, t in points:
+      point = dict(B=b, S=s, T=t)
+      if time.perf_counter() - t_start > budget_s:
+        point["rows"] = {m: dict(skipped="time budget") for m in methods}
+      else:
+        point["rows"] = bench_point(b, s, t, n, nk, head_dim, methods,
+                                    bandwidth=bw, options=options,
+                                    iters=iters, reps=reps, log=log)
+      doc["points"].append(point)
+      with open(path, "w") as f:
+        json.dump(doc, f, indent=1)
+      print(f"[{time.perf_counter() - t_start:6.1f}s] {b}x{s}x{t}: " + ", ".join(
+          f"{m} {r['ms']:.3f}" if "ms" in r else f"{m} -"
+          for m, r in point["rows"].items()), flush=True)
+  return doc
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("out_dir")
+  p.add_argument("--batches", default="8,1,32")
+  p.add_argument("--lengths", default="32768,4096,131072")
+  p.add_argument("--new-tokens", default="1,16")
+  p.add_argument("--methods", default=",".join(METHODS))
+  p.add_argument("--heads", default="32x8", help="query x KV heads")
+  p.add_argument("--head-dim", type=int, default=128)
+  p.add_argument("--options", default="",
+                 help="decode_attention knobs, e.g. block_k=64,num_warps=4")
+  p.add_argument("--budget-s", type=float, default=600.0)
+  p.add_argument("--iters", type=int, default=20)
+  p.add_argument("--reps", type=int, default=5)
+  a = p.parse_args(argv)
+  if jax.devices()[0].platform != "gpu":
+    print("benchmarks/decode.py needs a GPU", file=sys.stderr)
+    return 1
+  n, nk = map(int, a.heads.split("x"))
+  doc = run(a.out_dir, batches=_ints(a.batches), lengths=_ints(a.lengths),
+            new_tokens=_ints(a.new_tokens), methods=a.methods.split(","),
+            heads=(n, nk), head_dim=a.head_dim, options=_options(a.options),
+            budget_s=a.budget_s, iters=a.iters, reps=a.reps)
+  print(f"copy bandwidth {doc['copy_gbps']:.0f} GB/s")
+  print(format_table(doc["points"]))
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
