@@ -252,11 +252,14 @@ def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
   where it has one, else that of the float32 scores)."""
   backend = BACKENDS[implementation]
   adapter = backend.ADAPTERS[method]
+  static = dict(scale=scale, is_causal=is_causal, config=config)
   if index_mask is not None and not adapter.index_mask:
     mask = _dense(mask, kv_lens, index_mask, n=q.shape[2], t=q.shape[1],
                   s=k.shape[1], is_causal=is_causal)
+    if adapter.segment_scales and index_mask.q_segments is not None:
+      static["segments"] = (index_mask.q_segments, index_mask.kv_segments)
     index_mask, is_causal = None, False
-  static = dict(scale=scale, is_causal=is_causal, config=config)
+    static["is_causal"] = False
   if index_mask is not None:
     static["index_mask"] = index_mask
   if with_lse and adapter.run_lse is not None:

@@ -80,12 +80,15 @@ def vmap_heads(per_head: Callable[..., Any]) -> Callable[..., Any]:
   """Lifts a per-head function to BTNH arrays (batch and heads by ``jax.vmap``).
 
   Query heads ``h`` use key/value head ``h // (Nq // Nk)`` (grouped-query
-  attention); K and V are never repeated.  ``shared`` is passed unmapped.
-  Returns ``[B, T, Nq, Dv]`` (every leaf of the per-head result gets its
+  attention); K and V are never repeated.  ``shared`` is passed unmapped;
+  ``segments`` (``(q_segment_ids [B, T], kv_segment_ids [B, S])``, for a
+  method whose scales follow packed documents) per batch row as the
+  keyword ``segments=(q_ids [T], kv_ids [S])``.  Returns ``[B, T, Nq, Dv]`` (every leaf of the per-head result gets its
   ``[T, ...]`` axis moved to position 1 and heads to position 2).
   """
 
-  def batched(q, k, v, bias, mask, kv_lens, *, shared=None, **static):
+  def batched(q, k, v, bias, mask, kv_lens, *, shared=None, segments=None,
+              **static):
     b, t, nq, _ = q.shape
     nk = k.shape[2]
     g = nq // nk
@@ -96,16 +99,18 @@ def vmap_heads(per_head: Callable[..., Any]) -> Callable[..., Any]:
     def split(x):  # [B, Nq, T, S] -> [B, Nk, G, T, S]
       return None if x is None else x.reshape(b, nk, g, *x.shape[2:])
 
-    def head(q1, k1, v1, bias1, mask1, kv_len):
+    def head(q1, k1, v1, bias1, mask1, kv_len, seg):
+      extra = {} if seg is None else dict(segments=seg)
       return per_head(q1, k1, v1, bias1, mask1, kv_len, shared=shared,
-                      **static)
+                      **extra, **static)
 
     bias_ax = None if bias is None else 0
     mask_ax = None if mask is None else 0
-    f = jax.vmap(head, in_axes=(0, None, None, bias_ax, mask_ax, None))
-    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, None))
-    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, 0))
-    out = f(qh, kh, vh, split(bias), split(mask), kv_lens)
+    seg_ax = None if segments is None else 0
+    f = jax.vmap(head, in_axes=(0, None, None, bias_ax, mask_ax, None, None))
+    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, None, None))
+    f = jax.vmap(f, in_axes=(0, 0, 0, bias_ax, mask_ax, 0, seg_ax))
+    out = f(qh, kh, vh, split(bias), split(mask), kv_lens, segments)
 
     def to_btnh(x):  # [B, Nk, G, T, ...] -> [B, T, Nq, ...]
       x = x.reshape(b, nq, *x.shape[3:])

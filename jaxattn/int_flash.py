@@ -107,11 +107,17 @@ def quantize_per_token(x):
   return quantize_scaled(x, s[..., None]), s
 
 
-def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
+def quantize_kv_head(k, v, kv_len, *, config: Int8Config,
+                     segments=None) -> dict:
   """The K and V quantisation of one key/value head.
 
   Args:
     k: ``[S, D]``; v: ``[S, Dv]``; kv_len: int32 scalar.
+    segments: ``(q_ids [T], kv_ids [S])`` of a packed row, or None: with
+      ``v_granularity="tensor"`` V's scale is then one per segment, the
+      amax of that segment's keys (``v_scale`` ``[S]`` per key, and
+      ``v_row_scale`` ``[T]``, each query row's segment's, which multiplies
+      the output: a row sees only its own segment's keys).
   Returns:
     dict with ``k`` int8 ``[S, D]``, ``k_scale`` float32 ``[S]`` and ``v``:
     int8 ``[S, Dv]`` with ``v_scale`` float32 ``[]`` (tensor) or
@@ -127,7 +133,13 @@ def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
   if config.pv_dtype == "fp16":
     out["v"] = v.astype(jnp.float16)
     return out
-  if config.v_granularity == "tensor":
+  if config.v_granularity == "tensor" and segments is not None:
+    per_key, per_row = quant.segment_absmax(jnp.abs(v).max(axis=1),
+                                            segments[1], segments[0])
+    sv = per_key * RCP_R
+    out["v"] = quantize_scaled(v, sv[:, None])
+    out["v_row_scale"] = per_row * RCP_R
+  elif config.v_granularity == "tensor":
     sv = jnp.abs(v).max() * RCP_R
     out["v"] = quantize_scaled(v, sv)
   else:
@@ -138,12 +150,14 @@ def quantize_kv_head(k, v, kv_len, *, config: Int8Config) -> dict:
   return out
 
 
-def quantize_head(q, k, v, kv_len, *, config: Int8Config) -> dict:
+def quantize_head(q, k, v, kv_len, *, config: Int8Config,
+                  segments=None) -> dict:
   """The quantisation of one head: :func:`quantize_kv_head`'s dict plus
   ``q`` int8 ``[T, D]`` and ``q_scale`` float32 ``[T]``."""
   q_i8, sq = quantize_per_token(q)
   return dict(q=q_i8, q_scale=sq,
-              **quantize_kv_head(k, v, kv_len, config=config))
+              **quantize_kv_head(k, v, kv_len, config=config,
+                                 segments=segments))
 
 
 def int8_quantize(q, k, v, kv_len, *, config: Int8Config) -> dict:
@@ -176,8 +190,10 @@ def int8_quantize(q, k, v, kv_len, *, config: Int8Config) -> dict:
 
 
 def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
-              shared=None):
-  """One head of INT-FlashAttention (see the module docstring).
+              shared=None, segments=None):
+  """One head of INT-FlashAttention (see the module docstring); with
+  ``segments`` (a packed row, :func:`quantize_kv_head`) V's tensor scale
+  is one per segment.
 
   Returns float32 ``[T, Dv]``.
   """
@@ -185,7 +201,7 @@ def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   f32, i32 = jnp.float32, jnp.int32
   bk = config.block_k
   t, dv = q.shape[0], v.shape[-1]
-  qz = quantize_head(q, k, v, kv_len, config=config)
+  qz = quantize_head(q, k, v, kv_len, config=config, segments=segments)
   xs = base.block_inputs(qz["k"], qz["v"], bias, mask, kv_len, t=t,
                          block_k=bk, is_causal=is_causal)
   xs["k_scale"] = base.pad_to_multiple(qz["k_scale"], 0, bk).reshape(-1, bk)
@@ -221,7 +237,9 @@ def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   init = base.softmax_state(t, dv)
   (_, l, o), _ = jax.lax.scan(step, init, xs)
   out = base.finalize(o, l)
-  if full and not per_block_v:
+  if full and "v_row_scale" in qz:
+    out = out * qz["v_row_scale"][:, None]
+  elif full and not per_block_v:
     out = out * qz["v_scale"]
   return out
 

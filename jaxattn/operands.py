@@ -54,6 +54,9 @@ class QuantizedOperands:
       int8 V block (``pv="uint8"``), or None.
     out_scale, out_shift: float32 ``[B, K, D]``, the epilogue ``O / l *
       out_scale + out_shift``, or None.
+    out_row_scale: float32 ``[B, T, N]``, a factor of each output row
+      applied after the kernel (the V scale of the row's packed document),
+      or None.
     score_bound: float32 scalar, at least ``max |S|`` of the base-2 scores
       ``S q_scale k_scale (+ q_block_bias)``, from the scales (None: not
       known).
@@ -75,6 +78,7 @@ class QuantizedOperands:
   v_colsum: jax.Array | None = None
   out_scale: jax.Array | None = None
   out_shift: jax.Array | None = None
+  out_row_scale: jax.Array | None = None
   score_bound: jax.Array | None = None
   q_nonfinite: jax.Array | None = None
   kv_nonfinite: jax.Array | None = None
@@ -391,9 +395,24 @@ def _score_bound(q_scale, k_scale, qmax, d, bias_bound=None):
   return bound if bias_bound is None else bound + bias_bound
 
 
+def segment_v_scales(v, kv_lens, segments, n_heads: int):
+  """INT8's V scale per packed document (``v_granularity="tensor"``):
+  ``(per key [B, S, K], per query row [B, T, N])``, each the ``amax / 127``
+  of the V values of the segment's keys (finite values, keys below
+  ``kv_lens``).  A query row sees only its own segment's keys, so the
+  scale factors out of its ``P V`` exactly."""
+  q_seg, kv_seg = segments
+  vmax = jnp.abs(jnp.where(_valid_keys(v, kv_lens), nonfinite.finite(v), 0.0)
+                 .astype(jnp.float32)).max(axis=-1)                # [B, S, K]
+  per_key, per_row = jax.vmap(quant.segment_absmax)(vmax, kv_seg, q_seg)
+  per_row = jnp.repeat(per_row, n_heads // v.shape[2], axis=2)
+  return per_key * int_flash.RCP_R, per_row * int_flash.RCP_R
+
+
 def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
                        config, pack_int4: bool = True,
-                       v_key_order: bool = False) -> QuantizedOperands:
+                       v_key_order: bool = False,
+                       segments=None) -> QuantizedOperands:
   """The quantized operands of ``method`` ("sage", "int8" or "fp8").
 
   Args:
@@ -406,6 +425,9 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       Mosaic kernel).
     v_key_order: an 8-bit V's keys in the Mosaic kernel's register-operand
       order (:func:`pallas_kernels.quantizers.key_order`).
+    segments: ``(q_segment_ids [B, T], kv_segment_ids [B, S])`` of a packed
+      call, or None: INT8's per-tensor V scale becomes one per segment
+      (:func:`segment_v_scales`; the other methods' scales are unchanged).
   Returns: :class:`QuantizedOperands`, the references' quantized values and
     scales bit for bit (SageAttention2's bias to float32 accumulation
     order).
@@ -493,6 +515,14 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       return with_flags(
           fused, v=v8(jnp.int8, inv_row=inv_row),
           v_block_scale=z["v_scale"].transpose(0, 2, 1),
+          v_keys_ordered=v_key_order, **qk_ops)
+    if segments is not None:
+      per_key, per_row = segment_v_scales(v, kv_lens, segments, n)
+      return with_flags(
+          fused, v=v8(jnp.int8,
+                      inv_row=quant.reciprocal(per_key).transpose(0, 2, 1)),
+          out_scale=jnp.ones(kv_shape, jnp.float32),
+          out_shift=jnp.zeros(kv_shape, jnp.float32), out_row_scale=per_row,
           v_keys_ordered=v_key_order, **qk_ops)
     inv_channel = _channels(quant.reciprocal(z["v_scale"]), kv_shape)
     return with_flags(

@@ -45,6 +45,29 @@ def expand_groups(per_group, group: int, n: int):
       per_group.shape[0] * group))[:n]
 
 
+def segment_absmax(x, kv_segments, q_segments):
+  """Per packed document: the largest value of ``x`` over the keys of each
+  key's segment and of each query row's segment.
+
+  Args:
+    x: float ``[S, ...]`` (e.g. ``max |v|`` over channels, per KV head).
+    kv_segments: int ``[S]``; q_segments: int ``[T]`` (any ids; a query
+      row whose id no key has gets 0).
+  Returns:
+    ``(per_key [S, ...], per_row [T, ...])``.  Ids need not be sorted or
+    contiguous: a segment is an id.
+  """
+  s = kv_segments.shape[0]
+  # padding with the largest id keeps ids sorted for searchsorted
+  ids, inverse = jnp.unique(kv_segments, size=s, fill_value=kv_segments.max(),
+                            return_inverse=True)
+  inverse = inverse.reshape(s)
+  amax = jax.ops.segment_max(x, inverse, num_segments=s)
+  at = jnp.clip(jnp.searchsorted(ids, q_segments), 0, s - 1)
+  found = (ids[at] == q_segments).reshape((-1,) + (1,) * (x.ndim - 1))
+  return amax[inverse], jnp.where(found, amax[at], 0.0)
+
+
 def pack_int4(x):
   """Packs int8 values in ``[-8, 7]`` two per byte along the last axis
   (even index in the low nibble).  The last axis must be even."""

@@ -3,6 +3,8 @@ sequences (segment ids), computed from indices in the kernels: against the
 references with the equivalent dense mask (built here from the definition,
 independently of the library), against float32 ``jax.nn`` where it has the
 feature, and through the gradients."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -137,9 +139,13 @@ def test_triton_kernels_match_reference_with_dense_mask(method, case):
   out = jaxattn.dot_product_attention(q, k, v, method=method,
                                       implementation="triton", **kw)
   mask = jnp.asarray(_dense(c))
+  # the segment ids too: int8's V scales follow them (the mask decides
+  # visibility either way)
+  segments = {name: kw[name] for name in ("q_segment_ids", "kv_segment_ids")
+              if name in kw}
   ref = jaxattn.dot_product_attention(
       q, k, v, mask=mask, method=method, implementation="reference",
-      key_value_seq_lengths=kw.get("key_value_seq_lengths"))
+      key_value_seq_lengths=kw.get("key_value_seq_lengths"), **segments)
   assert metrics.nonfinite_fraction(out) == 0.0
   assert metrics.relative_rmse(out, ref) < METHODS[method]
   # rows that see no key (padding, an empty segment) are exactly zero
@@ -304,3 +310,30 @@ def test_bad_index_arguments_raise():
   with pytest.raises(ValueError, match="kv_segment_ids"):
     jaxattn.dot_product_attention(q, k[:, :6], v[:, :6],
                                   q_segment_ids=jnp.zeros((B, 8), jnp.int32))
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton", "mosaic"])
+def test_int8_v_scale_per_segment(implementation):
+  """Packed documents whose values differ in magnitude: INT8's V scale is
+  one per segment, so each document's output is as accurate as the
+  document run alone (one V scale per head would make the small-V
+  documents' error many times larger: 8x in
+  benchmarks/packed_scales.py)."""
+  lengths, v_factors = [37, 90, 13, 60], [8.0, 0.125, 3.0, 0.3]
+  q, k, v = _inputs(11, sum(lengths), sum(lengths))
+  bounds = np.cumsum([0] + lengths)
+  docs = [slice(a, b) for a, b in zip(bounds[:-1], bounds[1:])]
+  factor = np.concatenate([np.full(n, f) for n, f in zip(lengths, v_factors)])
+  v = (v.astype(jnp.float32) * factor[None, :, None, None]).astype(v.dtype)
+  seg = jnp.asarray(np.tile(_segments(lengths), (B, 1)), jnp.int32)
+  run = functools.partial(jaxattn.dot_product_attention, is_causal=True,
+                          method="int8")
+  packed = run(q, k, v, q_segment_ids=seg, implementation=implementation)
+  f32 = lambda x: x.astype(jnp.float32)
+  for d in docs:
+    truth = jaxattn.dot_product_attention(f32(q[:, d]), f32(k[:, d]),
+                                          f32(v[:, d]), is_causal=True)
+    alone = run(q[:, d], k[:, d], v[:, d], implementation="reference")
+    err_packed = metrics.relative_rmse(packed[:, d], truth)
+    err_alone = metrics.relative_rmse(alone, truth)
+    assert err_packed < 1.1 * err_alone + 1e-4, (d, err_packed, err_alone)

@@ -19,6 +19,7 @@ import dataclasses
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 
 from jaxattn import nonfinite
 
@@ -64,8 +65,14 @@ class Adapter:
   return; otherwise the API wraps ``run`` in :func:`jaxattn.nonfinite.
   confined` for the methods that need it.
 
+  ``segment_scales``: ``run`` (a reference, which takes the index mask as
+  a dense mask) also takes ``segments=(q_segment_ids, kv_segment_ids)``,
+  for a method whose quantization scales follow packed documents; the
+  kernel adapters read them from ``index_mask``.
+
   Quantized adapters also expose their two stages, ``prepare(q, k, v,
-  kv_lens, *, scale, config)`` -> :class:`jaxattn.operands.QuantizedOperands`
+  kv_lens, *, scale, config, segments=None)`` ->
+  :class:`jaxattn.operands.QuantizedOperands`
   and ``kernel(operands, kv_lens, bias, mask, *, is_causal, config,
   out_dtype)``, so that the benchmark can time the kernel alone.
 
@@ -81,6 +88,7 @@ class Adapter:
   confines_nonfinite: bool = False
   run_lse: Callable[..., Any] | None = None
   index_mask: bool = False
+  segment_scales: bool = False
 
 
 def two_stage(prepare, kernel, check=_accepts) -> Adapter:
@@ -89,9 +97,20 @@ def two_stage(prepare, kernel, check=_accepts) -> Adapter:
   dtype with NaN in the rows a non-finite input reaches."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None):
-    ops = prepare(q, k, v, kv_lens, scale=scale, config=config)
+    segments = (None if index_mask is None or index_mask.q_segments is None
+                else (index_mask.q_segments, index_mask.kv_segments))
+    ops = prepare(q, k, v, kv_lens, scale=scale, config=config,
+                  segments=segments)
+    # per-segment V scales multiply the output rows after the kernel (in
+    # float32 where the kernel writes it: one rounding, as the reference)
+    row_scaled = ops.out_row_scale is not None
     out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
-                 config=config, out_dtype=q.dtype, index_mask=index_mask)
+                 config=config,
+                 out_dtype=jnp.float32 if row_scaled else q.dtype,
+                 index_mask=index_mask)
+    if row_scaled:
+      out = (out.astype(jnp.float32)
+             * ops.out_row_scale[..., None]).astype(q.dtype)
     return nonfinite.poison(out, nonfinite.rows_reached(
         ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
         is_causal=is_causal, q_shape=q.shape, index_mask=index_mask))

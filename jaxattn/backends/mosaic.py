@@ -138,12 +138,12 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       index_mask=index_mask))
 
 
-def _prepare(method, q, k, v, kv_lens, *, scale, config):
+def _prepare(method, q, k, v, kv_lens, *, scale, config, segments=None):
   """int4 Q, K in int8 containers (no int4 tensor cores); an 8-bit V in the
   register-operand key order where P comes from registers."""
   return operands.quantized_operands(
       method, q, k, v, kv_lens, scale=scale, config=config, pack_int4=False,
-      v_key_order=mosaic.p_in_registers())
+      v_key_order=mosaic.p_in_registers(), segments=segments)
 
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,

@@ -13,4 +13,9 @@ def native() -> bool:
   return True
 
 
-ADAPTERS = {name: Adapter(run=m.reference) for name, m in METHODS.items()}
+# INT8's per-tensor V scale becomes one per packed document
+# (:func:`jaxattn.int_flash.quantize_kv_head`)
+SEGMENT_SCALES = ("int8",)
+ADAPTERS = {name: Adapter(run=m.reference,
+                          segment_scales=name in SEGMENT_SCALES)
+            for name, m in METHODS.items()}

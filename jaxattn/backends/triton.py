@@ -105,9 +105,10 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   return (out, outs[1]) if return_lse else out
 
 
-def _prepare(method, q, k, v, kv_lens, *, scale, config):
+def _prepare(method, q, k, v, kv_lens, *, scale, config, segments=None):
   return operands.quantized_operands(method, q, k, v, kv_lens, scale=scale,
-                                     config=config, pack_int4=True)
+                                     config=config, pack_int4=True,
+                                     segments=segments)
 
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
