@@ -375,6 +375,12 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
     if mask is not None:
       raise ValueError("the quantized-cache decode path takes no mask: "
                        "the positions come from the cache index")
+    if kwargs.get("input_positions") is not None:
+      # flax applies rotary embeddings inside its attention_fn, which the
+      # decode path does not call: refuse rather than silently skip them
+      raise NotImplementedError(
+          "the quantized-cache decode path does not apply rotary "
+          "embeddings (input_positions); apply them to the inputs")
     if self.dropout_rate > 0.0 and not (
         deterministic if deterministic is not None
         else self.deterministic):
