@@ -21,6 +21,8 @@ from jaxattn import flash, pasa, sage, int_flash, fmha, fp8
 from jaxattn import methods
 from jaxattn.api import dot_product_attention, _named
 from jaxattn.mix import choose_precision
+from jaxattn import ring, sharding
+from jaxattn.ring import ring_attention
 from jaxattn import decode
 from jaxattn.decode import KVCache, decode_attention
 
@@ -39,4 +41,5 @@ __all__ = ["dot_product_attention", "METHODS", "fp32_attention",
            "fp16_fp32_attention", "fp16_attention", "pasa_attention", "pasa",
            "sage_attention", "sage", "choose_precision",
            "int8_attention", "fmha_int8", "fp8_attention", "int_flash",
-           "fmha", "fp8", "decode", "decode_attention", "KVCache"]
+           "fmha", "fp8", "ring", "ring_attention", "decode",
+           "decode_attention", "KVCache"]

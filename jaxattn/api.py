@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, grad, methods, nonfinite
+from jaxattn import base, grad, methods, nonfinite, sharding
 from jaxattn.backends import Call
 from jaxattn.backends import mosaic, reference, triton
 from pallas_kernels.common import IndexMask, row_bounds
@@ -301,14 +301,18 @@ def _attention(q, k, v, bias, mask, kv_lens, index_mask, *, method,
                  and BACKENDS[implementation].ADAPTERS[method].run_lse
                  is not None)
 
+  # shard-local under jit (jaxattn.sharding); not the int8-output call
+  # above, whose output scale is one per tensor
+  forward = sharding.forward(_forward)
+
   @jax.custom_vjp
   def attend(q, k, v, bias, mask, kv_lens, index_mask):
-    out, lse = _forward(q, k, v, bias, mask, kv_lens, index_mask,
-                        with_lse=return_residual, **static)
+    out, lse = forward(q, k, v, bias, mask, kv_lens, index_mask,
+                       with_lse=return_residual, **static)
     return (out, lse) if return_residual else out
 
   def attend_fwd(q, k, v, bias, mask, kv_lens, index_mask):
-    out, lse = _forward(
+    out, lse = forward(
         q, k, v, bias, mask, kv_lens, index_mask,
         with_lse=return_residual or path == "xla" or keep_output, **static)
     primal = (out, lse) if return_residual else out
@@ -318,10 +322,10 @@ def _attention(q, k, v, bias, mask, kv_lens, index_mask, *, method,
   def attend_bwd(res, cotangent):
     q, k, v, bias, mask, kv_lens, index_mask, lse, out = res
     dout = cotangent[0] if return_residual else cotangent  # lse: no gradient
-    return (*grad.attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout,
-                                scale=scale, is_causal=is_causal,
-                                on_gpu=on_gpu, out=out,
-                                index_mask=index_mask),
+    return (*sharding.attention_vjp(q, k, v, bias, mask, kv_lens, lse,
+                                    dout, scale=scale, is_causal=is_causal,
+                                    on_gpu=on_gpu, out=out,
+                                    index_mask=index_mask),
             None, None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)

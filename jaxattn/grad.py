@@ -173,10 +173,13 @@ def as_residual(lse):
 
 
 def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
-            rows=XLA_ROWS, index_mask=None):
+            rows=XLA_ROWS, index_mask=None, out=None):
   """``(dq, dk, dv, dbias)`` of softmax attention (the module docstring),
   float32, from the log-sum-exp ``lse`` ``[B, T, N]``; dbias ``[B, N, T,
-  S]`` or None.  Query rows in blocks of ``rows``."""
+  S]`` or None.  Query rows in blocks of ``rows``.  ``delta`` from
+  ``out`` where given (the rows' exact output over more keys than ``k``:
+  a block of a ring, whose ``lse`` is the rows' global one), else from
+  ``O = P V`` rebuilt here."""
   f32 = jnp.float32
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
@@ -188,7 +191,7 @@ def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
 
   def block(carry, args):
     dk, dv = carry
-    i, qb, dob, lseb, bb, mb, sb = args
+    i, qb, dob, lseb, bb, mb, sb, ob = args
     s, vis = _scores(qb, k, bb, mb, bounds, sb, kv_seg, t0=i * rows,
                      scale=scale)
     lse_t = lseb.transpose(0, 2, 1)[..., None]                 # [B, N, r, 1]
@@ -197,7 +200,8 @@ def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
     dog = _grouped(dob.astype(f32), nk)                         # [B, r, K, G, D]
     dv = dv + jnp.einsum("bkgts,btkgd->bskd", pg, dog, precision=hi)
     dp = jnp.einsum("btkgd,bskd->bkgts", dog, vf, precision=hi)
-    o = jnp.einsum("bkgts,bskd->btkgd", pg, vf, precision=hi)
+    o = (jnp.einsum("bkgts,bskd->btkgd", pg, vf, precision=hi)
+         if ob is None else _grouped(ob.astype(f32), nk))
     delta = jnp.einsum("btkgd,btkgd->bkgt", o, dog, precision=hi)
     ds = pg * (dp - delta[..., None])
     dq = jnp.einsum("bkgts,bskd->btkgd", ds, kf, precision=hi) * scale
@@ -211,7 +215,7 @@ def xla_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, scale, is_causal,
   split = functools.partial(_split_rows, n=nb, rows=rows)
   (dk, dv), (dq, dbias) = lax.scan(block, zeros, (
       jnp.arange(nb), split(q, 1), split(dout, 1), split(lse, 1),
-      split(bias, 2), split(mask, 2), split(q_seg, 1)))
+      split(bias, 2), split(mask, 2), split(q_seg, 1), split(out, 1)))
   dq = _join_rows(dq, 1, t)
   if bias is not None:
     dbias = _join_rows(dbias, 2, t)
