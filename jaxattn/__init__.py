@@ -19,10 +19,9 @@ method         algorithm
 from jaxattn import base, quant
 from jaxattn import flash, pasa, sage, int_flash, fmha, fp8
 from jaxattn import methods
-from jaxattn.api import dot_product_attention, _named
+from jaxattn.api import dot_product_attention, ring_attention, _named
 from jaxattn.mix import choose_precision
-from jaxattn import ring, sharding
-from jaxattn.ring import ring_attention
+from jaxattn import ring, sharding  # noqa: F401 (public modules)
 from jaxattn import decode
 from jaxattn.decode import KVCache, decode_attention
 

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, grad, methods, nonfinite, sharding
+from jaxattn import base, grad, methods, nonfinite, ring, sharding
 from jaxattn.backends import Call
 from jaxattn.backends import mosaic, reference, triton
 from pallas_kernels.common import IndexMask, row_bounds
@@ -322,10 +322,13 @@ def _attention(q, k, v, bias, mask, kv_lens, index_mask, *, method,
   def attend_bwd(res, cotangent):
     q, k, v, bias, mask, kv_lens, index_mask, lse, out = res
     dout = cotangent[0] if return_residual else cotangent  # lse: no gradient
+    exact_step = ring.Step("fp32", None, scale, forward=_forward,
+                           resolve=resolve_implementation)
     return (*sharding.attention_vjp(q, k, v, bias, mask, kv_lens, lse,
                                     dout, scale=scale, is_causal=is_causal,
                                     on_gpu=on_gpu, out=out,
-                                    index_mask=index_mask),
+                                    index_mask=index_mask,
+                                    exact_step=exact_step),
             None, None, None)
 
   attend.defvjp(attend_fwd, attend_bwd)
@@ -483,6 +486,66 @@ def resolve_implementation(query, key, value, bias=None, mask=None, *,
                                  q_segment_ids=q_segment_ids,
                                  kv_segment_ids=kv_segment_ids,
                                  causal_alignment=causal_alignment))[-1]
+
+
+def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
+                   is_causal: bool = False, layout: str = "contiguous",
+                   scale: float | None = None, key_value_seq_lengths=None,
+                   implementation: str | None = None,
+                   return_residual: bool = False, **options: Any):
+  """Attention over a sequence sharded along mesh axis ``axis_name``; call
+  inside ``jax.shard_map(..., check_vma=False)`` (:mod:`jaxattn.ring`).
+
+  Args:
+    query: the local ``[B, T/n, N, H]`` chunk(s) of the queries.
+    key, value: the local ``[B, S/n, K, H]`` chunk(s); with ``is_causal``,
+      ``T == S``.
+    axis_name: the mesh axis (or tuple of axes) the sequence is sharded
+      over; ValueError when it is not bound.
+    layout: ``"contiguous"`` or ``"zigzag"`` (causal load balance; permute
+      with :func:`jaxattn.ring.to_zigzag` before sharding and
+      :func:`jaxattn.ring.from_zigzag` after).
+    key_value_seq_lengths: int ``[B]``, global key lengths (keys at or
+      beyond are masked), as in :func:`jaxattn.dot_product_attention`.
+    method, scale, implementation, **options: as
+      :func:`jaxattn.dot_product_attention`.  Each step runs the method on
+      one chunk; ``fmha_int8`` with ``return_int8`` is refused (its output
+      scale is one per tensor).
+    return_residual: also return the float32 log-sum-exp ``[B, T/n, N]``.
+
+  Returns:
+    The local ``[B, T/n, N, H]`` output in the query dtype (and the
+    log-sum-exp).  Differentiable (a ring backward, module docstring).
+  """
+  n = ring.axis_size(axis_name)
+  config = methods.get(method).config_cls.from_options(**options)
+  if getattr(config, "return_int8", False):
+    raise NotImplementedError(
+        "fmha_int8 with return_int8=True: its output scale is one per "
+        "tensor, which a ring of partial outputs does not have")
+  unbatched = getattr(query, "ndim", 0) == 3
+  q, k, v, _, _, _, _, impl = _normalise(
+      query, key, value, None, None, None, config=config, method=method,
+      implementation=implementation, is_causal=is_causal)
+  b, c = q.shape[0], k.shape[1]
+  if key_value_seq_lengths is None:
+    kv_lens = jnp.full((b,), n * c, jnp.int32)
+  else:
+    kv_lens = jnp.asarray(key_value_seq_lengths)
+    if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype,
+                                                   jnp.integer):
+      raise ValueError("key_value_seq_lengths must be an integer array of "
+                       f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
+    kv_lens = jnp.clip(kv_lens, 0, n * c).astype(jnp.int32)
+  scale = base.default_scale(q.shape[-1]) if scale is None else float(scale)
+  out, lse = ring.attention(
+      q, k, v, kv_lens, axis_name=axis_name, is_causal=is_causal,
+      layout=layout, return_residual=True,
+      step=ring.Step(method, impl, scale, config, forward=_forward,
+                     resolve=resolve_implementation))
+  if unbatched:
+    out, lse = out[0], lse[0]
+  return (out, lse) if return_residual else out
 
 
 def _named(method: str, doc: str):

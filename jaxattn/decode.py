@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, quant
+from jaxattn import api, base, quant
 from pallas_kernels import common
 from pallas_kernels import decode as kernel
 from pallas_kernels.common import FP8_MAX, LOG2E
@@ -415,7 +415,6 @@ def float_reference(q, k, v, lengths, *, scale: float | None = None):
   """Float32 attention of the new tokens ``q [B, T, N, D]`` against the
   float keys and values ``[B, S, K, D]`` (the new tokens among them) under
   the decode contract: the ground truth the methods approximate."""
-  from jaxattn import api  # (the public API imports this module)
   f32 = jnp.float32
   return api.dot_product_attention(
       q.astype(f32), k.astype(f32), v.astype(f32), scale=scale,

@@ -45,13 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import api, base, grad, methods
+from jaxattn import grad, methods
 from jaxattn.backends import triton
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -59,20 +59,27 @@ LAYOUTS = ("contiguous", "zigzag")
 
 @dataclasses.dataclass(frozen=True)
 class Step:
-  """One ring step: the method's forward on local arrays."""
+  """One ring step: the method's forward on local arrays.
+
+  ``forward`` is ``jaxattn.api._forward`` and ``resolve`` is
+  ``jaxattn.api.resolve_implementation`` (passed in: the API calls this
+  module, not the reverse); ``implementation`` None is resolved per
+  step."""
   method: str
   implementation: str | None
   scale: float
   config: Any = None
+  forward: Callable[..., Any] | None = None
+  resolve: Callable[..., Any] | None = None
 
   def __call__(self, q, k, v, kv_lens, is_causal):
     """``(out [B, T, N, H] in q's dtype, lse float32 [B, T, N])``."""
     config = self.config or methods.get(self.method).config_cls()
     impl = self.implementation
     if impl is None:
-      impl = api.resolve_implementation(q, k, v, is_causal=is_causal,
-                                        method=self.method, **_options(config))
-    return api._forward(q, k, v, None, None, kv_lens, None,
+      impl = self.resolve(q, k, v, is_causal=is_causal, method=self.method,
+                          **_options(config))
+    return self.forward(q, k, v, None, None, kv_lens, None,
                         method=self.method, implementation=impl,
                         scale=self.scale, is_causal=is_causal,
                         config=config, with_lse=True)
@@ -89,6 +96,12 @@ class Options:
   is_causal: bool
   layout: str
   step: Step
+
+
+def axis_size(axis_name) -> int:
+  """The size of mesh axis ``axis_name``; ValueError when it is not bound
+  (outside ``shard_map``)."""
+  return _check_axis(axis_name)
 
 
 def _check_axis(axis_name) -> int:
@@ -247,7 +260,8 @@ def ring_backward(q, k, v, kv_lens, out, lse, dout, opts: Options):
   ``out`` None they come from a ``"fp32"`` ring forward first."""
   if out is None:
     exact = Options(opts.axis_name, opts.is_causal, opts.layout,
-                    Step("fp32", None, opts.step.scale))
+                    dataclasses.replace(opts.step, method="fp32",
+                                        implementation=None, config=None))
     out, lse = ring_forward(q, k, v, kv_lens, exact)
   n, me = _check_axis(opts.axis_name), lax.axis_index(opts.axis_name)
   c, h, th = k.shape[1], k.shape[1] // 2, q.shape[1] // 2
@@ -303,63 +317,22 @@ def _ring_bwd(opts, res, cotangent):
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
-def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
-                   is_causal: bool = False, layout: str = "contiguous",
-                   scale: float | None = None, key_value_seq_lengths=None,
-                   implementation: str | None = None,
-                   return_residual: bool = False, **options: Any):
-  """Attention over a sequence sharded along mesh axis ``axis_name``; call
-  inside ``jax.shard_map`` (module docstring).
-
-  Args:
-    query: the local ``[B, T/n, N, H]`` chunk(s) of the queries.
-    key, value: the local ``[B, S/n, K, H]`` chunk(s); with ``is_causal``,
-      ``T == S``.
-    axis_name: the mesh axis (or tuple of axes) the sequence is sharded
-      over; ValueError when it is not bound.
-    layout: ``"contiguous"`` or ``"zigzag"`` (causal load balance; permute
-      with :func:`to_zigzag` before sharding and :func:`from_zigzag` after).
-    key_value_seq_lengths: int ``[B]``, global key lengths (keys at or
-      beyond are masked), as in :func:`jaxattn.dot_product_attention`.
-    method, scale, implementation, **options: as
-      :func:`jaxattn.dot_product_attention`.  Each step runs the method on
-      one chunk; ``fmha_int8`` with ``return_int8`` is refused (its output
-      scale is one per tensor).
-    return_residual: also return the float32 log-sum-exp ``[B, T/n, N]``.
-
-  Returns:
-    The local ``[B, T/n, N, H]`` output in the query dtype (and the
-    log-sum-exp).  Differentiable (a ring backward, module docstring).
-  """
+def attention(q, k, v, kv_lens, *, axis_name, is_causal: bool, layout: str,
+              step: Step, return_residual: bool = False):
+  """The ring on normalised BTNH chunks (``jaxattn.ring_attention`` checks
+  the arguments and builds ``step``): the local output in the query dtype
+  (and the float32 log-sum-exp ``[B, T/n, N]``)."""
   if layout not in LAYOUTS:
     raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
-  n = _check_axis(axis_name)
-  if any(map(_varying, (query, key, value))):
+  _check_axis(axis_name)
+  if any(map(_varying, (q, k, v))):
     raise ValueError(
         "call ring_attention inside jax.shard_map(..., check_vma=False): "
         "the kernels and references do not track varying manual axes")
-  config = methods.get(method).config_cls.from_options(**options)
-  if getattr(config, "return_int8", False):
-    raise NotImplementedError(
-        "fmha_int8 with return_int8=True: its output scale is one per "
-        "tensor, which a ring of partial outputs does not have")
-  unbatched = getattr(query, "ndim", 0) == 3
-  q, k, v, _, _, _, _, impl = api._normalise(
-      query, key, value, None, None, None, config=config, method=method,
-      implementation=implementation, is_causal=is_causal)
-  b, c = q.shape[0], k.shape[1]
-  if key_value_seq_lengths is None:
-    kv_lens = jnp.full((b,), n * c, jnp.int32)
-  else:
-    kv_lens = jnp.asarray(key_value_seq_lengths)
-    if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype,
-                                                   jnp.integer):
-      raise ValueError("key_value_seq_lengths must be an integer array of "
-                       f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
-    kv_lens = jnp.clip(kv_lens, 0, n * c).astype(jnp.int32)
-  scale = base.default_scale(q.shape[-1]) if scale is None else float(scale)
-  out, lse = _ring(q, k, v, kv_lens, Options(
-      axis_name, bool(is_causal), layout, Step(method, impl, scale, config)))
-  if unbatched:
-    out, lse = out[0], lse[0]
+  out, lse = _ring(q, k, v, kv_lens, Options(axis_name, bool(is_causal),
+                                             layout, step))
   return (out, lse) if return_residual else out
+
+
+__all__ = ["attention", "axis_size", "ring_forward", "ring_backward", "to_zigzag",
+           "from_zigzag", "Step", "Options", "LAYOUTS"]

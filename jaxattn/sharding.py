@@ -38,7 +38,7 @@ from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxattn import grad
+from jaxattn import grad, ring
 
 # The axes of each array operand, one letter per dimension: b batch,
 # t query rows, s keys, n query heads, k key/value heads, h head dim.
@@ -245,29 +245,29 @@ def _ring_takes(bias, mask, index_mask, axis_name):
 
 
 def _forward_ring(q, k, v, bias, mask, kv_lens, index_mask, *, axis_name,
-                  method, implementation, scale, is_causal, config,
+                  forward, method, implementation, scale, is_causal, config,
                   with_lse):
-  from jaxattn import ring
   _ring_takes(bias, mask, index_mask, axis_name)
   out, lse = ring.ring_forward(q, k, v, kv_lens, ring.Options(
       axis_name=axis_name, is_causal=is_causal, layout="contiguous",
-      step=ring.Step(method, implementation, scale, config)))
+      step=ring.Step(method, implementation, scale, config,
+                     forward=forward)))
   return out, (lse if with_lse else None)
 
 
-def _vjp(q, k, v, bias, mask, kv_lens, lse, dout, out, index_mask, **static):
+def _vjp(q, k, v, bias, mask, kv_lens, lse, dout, out, index_mask, *,
+         exact_step, **static):
+  del exact_step   # (the ring's)
   return grad.attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout,
                             out=out, index_mask=index_mask, **static)
 
 
 def _vjp_ring(q, k, v, bias, mask, kv_lens, lse, dout, out, index_mask, *,
-              axis_name, scale, is_causal, on_gpu):
-  from jaxattn import ring
+              axis_name, exact_step, scale, is_causal, on_gpu):
   del on_gpu
   _ring_takes(bias, mask, index_mask, axis_name)
   opts = ring.Options(axis_name=axis_name, is_causal=is_causal,
-                      layout="contiguous",
-                      step=ring.Step("fp32", None, scale, None))
+                      layout="contiguous", step=exact_step)
   dq, dk, dv = ring.ring_backward(q, k, v, kv_lens, out, lse, dout, opts)
   return dq, dk, dv, None
 
@@ -275,15 +275,18 @@ def _vjp_ring(q, k, v, bias, mask, kv_lens, lse, dout, out, index_mask, *,
 def forward(fwd: Callable) -> Callable:
   """``api._forward`` (passed in: this module does not import the API) as a
   shard-local call; same signature."""
-  return shard_local(fwd, FORWARD, ring=_forward_ring)
+  return shard_local(fwd, FORWARD,
+                     ring=functools.partial(_forward_ring, forward=fwd))
 
 
 def attention_vjp(q, k, v, bias, mask, kv_lens, lse, dout, *, out=None,
-                  index_mask=None, **static: Any):
+                  index_mask=None, exact_step: ring.Step, **static: Any):
   """:func:`jaxattn.grad.attention_vjp` as a shard-local call (a ring
-  backward where the sequence is sharded); same signature."""
+  backward where the sequence is sharded, whose exact residuals, when the
+  forward's are not, come from a ring of ``exact_step``: float32
+  attention); same signature otherwise."""
   return _backward(q, k, v, bias, mask, kv_lens, lse, dout, out, index_mask,
-                   **static)
+                   exact_step=exact_step, **static)
 
 
 _backward = shard_local(_vjp, BACKWARD, ring=_vjp_ring)

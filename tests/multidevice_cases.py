@@ -146,7 +146,7 @@ def _ring(q, k, v, *, layout="contiguous", **kw):
                functools.partial(ring.from_zigzag, n=n))
               if layout == "zigzag" else (lambda x: x, lambda x: x))
   body = jax.shard_map(
-      functools.partial(ring.ring_attention, axis_name="sp", layout=layout,
+      functools.partial(jaxattn.ring_attention, axis_name="sp", layout=layout,
                         **kw),
       mesh=SEQ, in_specs=P(None, "sp"), out_specs=P(None, "sp"),
       check_vma=False)
@@ -205,14 +205,14 @@ def test_ring_attention_residual_and_errors():
                                                  return_residual=True)
   np.testing.assert_allclose(lse, want_lse, rtol=1e-6)
   with pytest.raises(ValueError, match="not bound"):
-    ring.ring_attention(q, k, v, axis_name="sp")
+    jaxattn.ring_attention(q, k, v, axis_name="sp")
   with pytest.raises(ValueError, match="layout"):
     jax.jit(functools.partial(_ring, layout="striped"))(q, k, v)
   with pytest.raises(NotImplementedError, match="return_int8"):
     jax.jit(functools.partial(_ring, method="fmha_int8",
                               return_int8=True))(q, k, v)
   with pytest.raises(ValueError, match="check_vma=False"):
-    jax.shard_map(functools.partial(ring.ring_attention, axis_name="sp"),
+    jax.shard_map(functools.partial(jaxattn.ring_attention, axis_name="sp"),
                   mesh=SEQ, in_specs=P(None, "sp"),
                   out_specs=P(None, "sp"))(q, k, v)
 
