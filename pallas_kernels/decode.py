@@ -84,6 +84,25 @@ def choose_splits(batch: int, kv_heads: int, capacity: int,
   return max(1, min(want, most))
 
 
+def _int8_as(x, dtype):
+  """int8 -> float16 / float32 exactly without the int-to-float converter
+  (a quarter-rate unit): ``x ^ 0x80`` is ``x + 128`` as a byte; placed in
+  the mantissa of ``1024`` (float16) or ``2^23`` (float32) it is that float
+  plus ``x + 128``, and one subtraction leaves ``x``."""
+  u = lax.bitcast_convert_type(x, jnp.uint8) ^ jnp.uint8(0x80)
+  if jnp.dtype(dtype) == jnp.float16:
+    h = u.astype(jnp.uint16) | jnp.uint16(0x6400)
+    return lax.bitcast_convert_type(h, jnp.float16) - jnp.float16(1152.0)
+  w = u.astype(jnp.uint32) | jnp.uint32(0x4B000000)
+  return lax.bitcast_convert_type(w, jnp.float32) - jnp.float32(8388736.0)
+
+
+def _convert(x, dtype):
+  if x.dtype == jnp.int8 and jnp.dtype(dtype) in (jnp.float16, jnp.float32):
+    return _int8_as(x, dtype)
+  return x.astype(dtype)
+
+
 def _decode_kernel(len_ref, q_ref, k_ref, v_ref, *refs, block_k, num_splits,
                    group, t_new, k_scaled, v_scaled, compute_dtype,
                    f16_scores, score_factor):
@@ -120,7 +139,7 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, *refs, block_k, num_splits,
   def body(j, carry, masked):
     m, l, o = carry
     ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
-    k = k_ref[ks, :].astype(compute_dtype)
+    k = _convert(k_ref[ks, :], compute_dtype)
     s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                         preferred_element_type=f32)
     if f16_scores:   # PASA: the float16 score matrix
@@ -131,7 +150,7 @@ def _decode_kernel(len_ref, q_ref, k_ref, v_ref, *refs, block_k, num_splits,
       s = s * score_factor
     v = v_ref[ks, :]
     if v_scaled:
-      v = v.astype(f32) * vs_ref[ks][:, None]
+      v = _convert(v, f32) * vs_ref[ks][:, None]
     if masked:
       cols = j * block_k + lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
       s = jnp.where((cols <= limit) & (cols < length), s, -jnp.inf)
