@@ -6,7 +6,7 @@ Not collected by the suite (the name does not match ``test_*.py``):
 before jax starts.  Shapes are small: the Triton kernels run in interpret
 mode.  The Mosaic interpreter cannot run partitioned (its ordered callbacks
 do not lower inside custom_partitioning or shard_map); the GPU script
-``scratch/gpu_sharding.py`` covers Mosaic.
+``benchmarks/sharding.py`` covers Mosaic.
 """
 import functools
 
