@@ -67,7 +67,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import api, base, quant
+from jaxattn import api, base, int_flash, quant
 from pallas_kernels import common
 from pallas_kernels import decode as kernel
 from pallas_kernels.common import FP8_MAX, LOG2E
@@ -242,9 +242,8 @@ def _quantize_tokens(x, dtype):
   nearest even, clipped to 127; e4m3: clipped to 448), the quantizers of
   :mod:`jaxattn.quant`; float caches round to their dtype."""
   dtype = jnp.dtype(dtype)
-  if dtype == jnp.int8:
-    scale = jnp.abs(x).max(-1) * np.float32(1.0 / 127)
-    return quant.quantize_int(x, quant.reciprocal(scale)[..., None]), scale
+  if dtype == jnp.int8:   # INT-FlashAttention's per-token quantizer
+    return int_flash.quantize_per_token(x)
   if dtype == FP8:
     scale = jnp.abs(x).max(-1) * np.float32(1.0 / FP8_MAX)
     return quant.quantize_fp8(x, quant.reciprocal(scale)[..., None]), scale
