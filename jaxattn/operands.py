@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn import base, fmha, fp8, int_flash, nonfinite, quant, sage
+from jaxattn import base, fmha, fp8, int_flash, nonfinite, pasa, quant, sage
 from pallas_kernels import key_shift, quantizers
 
 
@@ -560,7 +560,29 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
   raise ValueError(f"no quantized operands for method {method!r}")
 
 
-def pasa_operands(k, v, kv_lens, *, scale: float, config):
+@dataclasses.dataclass(frozen=True)
+class PasaOperands:
+  """What the PASA kernels take (:func:`pasa_operands`).
+
+  Attributes:
+    k: float16 shifted keys ``[B, S_pad, K, D]`` times ``key_factor``
+      (``S_pad`` a whole number of ``block_k`` blocks).
+    v: V without NaN/Inf (copied only when it holds one).
+    inva: the kernels' constant ``fl16(beta / (1 - beta))``.
+    exp_scale: ``scale / key_factor``: the exponent's factor on ``S'``.
+    shifted: float32 ``[B, K, S_pad / block_k]``, 1 for a shifted block and
+      0 for one the adaptive shift left; None without the adaptive shift.
+    bad_kv: bool ``[B, S, K]``, the keys whose key or value held a NaN/Inf.
+  """
+  k: jax.Array
+  v: jax.Array
+  inva: float
+  exp_scale: float
+  shifted: jax.Array | None
+  bad_kv: jax.Array
+
+
+def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
   """The PASA kernels' operands: :func:`jaxattn.pasa.shift_keys` of every
   head in one kernel (:func:`pallas_kernels.key_shift.shifted_key_blocks`;
   the same values but for a rare one-ulp move where float32 accumulation
@@ -569,22 +591,44 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config):
 
   Args: k, v ``[B, S, K, D]``; kv_lens int32 ``[B]``; config a
   :class:`jaxattn.pasa.PasaConfig` with float16 ``compute_dtype``.
-  Returns: the float16 shifted, scaled keys ``[B, S_pad, K, D]`` (``S_pad``
-  a whole number of ``config.block_k`` blocks), V, the kernels' constant
-  ``fl16(beta / (1 - beta))`` as a Python float, and bool ``[B, S, K]``:
-  the keys whose key or value held a NaN/Inf.
   """
   if jnp.dtype(config.compute_dtype) != jnp.float16:
     raise ValueError("the PASA kernels compute in float16; use "
                      "implementation='reference' for compute_dtype="
                      f"{config.compute_dtype}")
   beta = config.resolved_beta
+  adaptive = config.adaptive_shift
+  factor = pasa.key_factor(scale, adaptive)
+  shift = block_shifts(k, kv_lens, beta=beta,
+                       block_k=config.block_k) if adaptive else None
   k_shifted, bad_k = key_shift.shifted_key_blocks(
-      k, kv_lens, beta=beta, scale=scale, block_k=config.block_k,
-      rounding=config.key_rounding, flag_nonfinite=True)
+      k, kv_lens, beta=beta, scale=factor, block_k=config.block_k,
+      rounding=config.key_rounding, flag_nonfinite=True, shift=shift)
   bad_v = nonfinite.row_flags(v)
-  return (k_shifted, nonfinite.finite_if(bad_v, v),
-          float(np.float16(beta / (1.0 - beta))), bad_k | bad_v)
+  return PasaOperands(
+      k=k_shifted, v=nonfinite.finite_if(bad_v, v),
+      inva=float(np.float16(beta / (1.0 - beta))),
+      exp_scale=scale / factor,
+      shifted=(shift.transpose(0, 2, 1).astype(jnp.float32) if adaptive
+               else None),
+      bad_kv=bad_k | bad_v)
+
+
+def block_shifts(k, kv_lens, *, beta: float, block_k: int):
+  """:func:`jaxattn.pasa.block_shifted` of every head's key blocks in one
+  XLA reduction over K (float16 ``[B, S, K, D]``; NaN/Inf count as 0, as in
+  the key kernel): bool ``[B, S_pad / block_k, K]``."""
+  b, s, nk, d = k.shape
+  nb = -(-s // block_k)
+  k = jnp.pad(k.astype(jnp.float16), [(0, 0), (0, nb * block_k - s), (0, 0),
+                                      (0, 0)])
+  k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
+  kb = k.reshape(b, nb, block_k, nk, d)     # keys of a block on axis 2
+  rows = jnp.arange(nb * block_k).reshape(1, nb, block_k, 1, 1)
+  lens = jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
+  valid = rows < lens.reshape(b, 1, 1, 1, 1)
+  return pasa.block_shifted(pasa.fill_blocks(kb, valid, axis=2), beta,
+                            axis=2)
 
 
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):

@@ -34,7 +34,16 @@ Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
   float32 and rounded so that each key block's column sums stay within
   about half an ulp (:func:`_sum_preserving_round`).
 
-The default uses both; ``docs/design.md`` has the sweeps behind it.
+* ``adaptive_shift=True``: a key block is shifted only where its mean is
+  large against its spread (:func:`block_shifted`); the others keep their
+  keys exactly, because the softmax scale is folded into the keys only as
+  a power of two (:func:`key_factor`) and the rest of it, ``scale / p``,
+  into the exponent.  Where the shift removes nothing (keys of mean 0) it
+  would only round every key once more than ``fp16_fp32`` does.  An
+  unshifted block contributes no correction (``dm'_j = -inva F_j``) and
+  no ``Sbar'`` to ``F``.
+
+The default uses all three; ``docs/design.md`` has the sweeps behind it.
 
 Decisions beyond the paper (documented in the README):
 
@@ -61,6 +70,7 @@ Decisions beyond the paper (documented in the README):
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -72,7 +82,12 @@ from jaxattn import base
 DEFAULT_BETA0 = 1.0 - 2.0**-6
 KEY_ROUNDINGS = ("sum_preserving", "nearest")
 # The options that make PasaConfig the paper's Algorithm 1 literally.
-ALGORITHM1 = {"state_dtype": "float16", "key_rounding": "nearest"}
+ALGORITHM1 = {"state_dtype": "float16", "key_rounding": "nearest",
+              "adaptive_shift": False}
+# A block is shifted when |c| > SHIFT_MIN_RATIO |A| (block_shifted); the
+# keys' factor p <= scale / (1 + SHIFT_MIN_RATIO) then keeps every block's
+# float16 scores within the paper's bound (README, "PASA's bound").
+SHIFT_MIN_RATIO = 0.25
 
 
 def _invariance(beta: float, n: int, dtype) -> float:
@@ -125,10 +140,14 @@ class PasaConfig(base.MethodConfig):
       ``Sbar'`` and the corrections: ``"float32"`` (default) or
       ``"float16"`` (Algorithm 1 literally).  ``S'`` and ``P`` are in
       ``compute_dtype`` either way.
-    key_rounding: how the shifted keys ``K' = scale M^T K`` become float16:
+    key_rounding: how the shifted keys ``K' = p M^T K`` become float16:
       ``"sum_preserving"`` (default; one rounding, then each block's column
       sums corrected, see the module docstring) or ``"nearest"`` (Algorithm
       1 literally: ``fl(fl(M^T K) fl(scale))``).
+    adaptive_shift: shift only the key blocks whose mean is large against
+      their spread, and fold the softmax scale into the keys as a power of
+      two ``p`` (default True; False: every block, ``p = scale``, as
+      Algorithm 1).  Needs the float32 state.
     tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
       table in :mod:`pallas_kernels.flash`); the reference ignores them and
       the Mosaic kernel refuses them.
@@ -138,6 +157,7 @@ class PasaConfig(base.MethodConfig):
   compute_dtype: str = "float16"
   state_dtype: str = "float32"
   key_rounding: str = "sum_preserving"
+  adaptive_shift: bool = True
   tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -153,6 +173,11 @@ class PasaConfig(base.MethodConfig):
     if self.key_rounding not in KEY_ROUNDINGS:
       raise ValueError(f"key_rounding must be one of {KEY_ROUNDINGS}, got "
                        f"{self.key_rounding!r}")
+    if (self.adaptive_shift and self.compute_dtype == "float16"
+        and self.state_dtype != "float32"):
+      raise ValueError("adaptive_shift needs state_dtype='float32' (an "
+                       "unshifted block's mean score can overflow a float16 "
+                       "state); PasaConfig.algorithm1() turns both off")
     if self.beta is not None and not 0.0 <= self.beta < 1.0:
       raise ValueError(f"beta must be in [0, 1), got {self.beta}")
 
@@ -216,33 +241,78 @@ def _sum_preserving_round(x, dtype, rounds: int = 2):
   return r
 
 
+def key_factor(scale: float, adaptive: bool) -> float:
+  """The factor ``p`` folded into the shifted keys: ``scale`` (Algorithm 1),
+  or with ``adaptive`` the largest power of two ``<= scale / (1 +
+  SHIFT_MIN_RATIO)``, which multiplies float16 keys exactly; the exponent
+  then takes ``scale / p`` (the kernels' ``exp2`` factor)."""
+  if not adaptive:
+    return float(scale)
+  return float(2.0 ** math.floor(math.log2(abs(scale)
+                                          / (1.0 + SHIFT_MIN_RATIO))))
+
+
+def fill_blocks(kb, valid, axis=-2):
+  """Key blocks ``kb`` (keys of a block along ``axis``, channels last) with
+  the keys where ``valid`` (broadcastable) is False replaced by the mean of
+  the valid ones, rounded to ``kb``'s dtype (0 where none is valid)."""
+  count = jnp.broadcast_to(valid, kb.shape[:-1] + (1,)).sum(
+      axis=axis, keepdims=True)
+  acc = jnp.promote_types(kb.dtype, jnp.float32)
+  mean = (jnp.where(valid, kb, 0).astype(acc).sum(axis=axis, keepdims=True)
+          / jnp.maximum(count, 1)).astype(kb.dtype)
+  return jnp.where(valid, kb, mean)
+
+
+def block_shifted(kb, beta: float, axis=-2):
+  """Which key blocks ``kb`` (keys along ``axis``, channels last; filled,
+  :func:`fill_blocks`)
+  the adaptive shift moves: those whose shift ``c = beta mean(K_j)`` is
+  large against the spread it leaves, ``|c|^2 > SHIFT_MIN_RATIO^2 |A|^2``
+  with ``A_d = max_i |k_id - c_d|`` (per channel, over the block), all in
+  float32.  Returns bool, ``kb``'s shape without ``axis`` and channels.  An unshifted block's scores are then
+  at most ``(1 + ratio)`` times the bound of its shifted ones
+  (Cauchy-Schwarz)."""
+  kb = kb.astype(jnp.float32)
+  c = jnp.float32(beta) * kb.mean(axis=axis)
+  a = jnp.maximum(kb.max(axis=axis) - c, c - kb.min(axis=axis))
+  return ((c * c).sum(axis=-1)
+          > jnp.float32(SHIFT_MIN_RATIO ** 2) * (a * a).sum(axis=-1))
+
+
 def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
-               compute_dtype, key_rounding: str) -> jax.Array:
-  """PASA's key pre-processing: ``K'_j = scale * (M^T K_j)`` per key block.
+               compute_dtype, key_rounding: str, adaptive: bool = False):
+  """PASA's key pre-processing: ``K'_j = p * (M^T K_j)`` per key block
+  (``p = key_factor(scale, adaptive)``); with ``adaptive`` a block that
+  :func:`block_shifted` leaves is ``p K_j``, exact.
 
   Args:
     k: ``[S, D]`` keys of one head.
     kv_len: int32 scalar; keys at or beyond it, and the padding of the last
       block, are replaced by the mean of the block's visible keys.
-    key_rounding: ``"nearest"`` (``fl(fl(M^T K) fl(scale))``) or
+    key_rounding: ``"nearest"`` (``fl(fl(M^T K) fl(p))``) or
       ``"sum_preserving"`` (see :func:`_sum_preserving_round`).
   Returns:
-    ``[S_pad / block_k, block_k, D]`` shifted, scaled keys in ``compute_dtype``.
+    ``([S_pad / block_k, block_k, D]`` keys in ``compute_dtype``, bool
+    ``[S_pad / block_k]``: which blocks are shifted).
   """
   cd = jnp.dtype(compute_dtype)
   acc = jnp.float64 if cd == jnp.float64 else jnp.float32
+  p = key_factor(scale, adaptive)
   kb = base.key_blocks(k.astype(cd), block_k)
   rows = jnp.arange(kb.shape[0] * block_k).reshape(kb.shape[0], block_k, 1)
-  valid = rows < jnp.minimum(kv_len, k.shape[0])
-  count = valid.sum(axis=1, keepdims=True)
-  mean = (jnp.where(valid, kb, 0).astype(acc).sum(axis=1, keepdims=True)
-          / jnp.maximum(count, 1)).astype(cd)
-  kb = jnp.where(valid, kb, mean)
+  kb = fill_blocks(kb, rows < jnp.minimum(kv_len, k.shape[0]))
   m = shifting_matrix(beta, block_k, cd)
   shifted = jnp.einsum("nm,jnd->jmd", m, kb, preferred_element_type=acc)
   if key_rounding == "sum_preserving" and cd != acc:
-    return _sum_preserving_round(shifted * jnp.asarray(scale, acc), cd)
-  return (shifted.astype(cd) * jnp.asarray(scale, cd)).astype(cd)
+    out = _sum_preserving_round(shifted * jnp.asarray(p, acc), cd)
+  else:
+    out = (shifted.astype(cd) * jnp.asarray(p, cd)).astype(cd)
+  if not adaptive:
+    return out, jnp.ones(out.shape[0], bool)
+  moved = block_shifted(kb, beta)
+  return (jnp.where(moved[:, None, None], out,
+                    (kb.astype(acc) * p).astype(cd)), moved)
 
 
 def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
@@ -268,12 +338,16 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   bk = config.block_k
   inva = jnp.asarray(np.asarray(beta / (1.0 - beta), np.float64)
                      .astype(base.as_numpy_dtype(cd)), sd)
+  # S' is in units of the keys' factor p; the exponent takes scale / p
+  res = scale / key_factor(scale, config.adaptive_shift)
+  exp = lambda x: jnp.exp2(x.astype(acc) * jnp.asarray(res * base.LOG2E, acc))
   q, v = q.astype(cd), v.astype(cd)
   t, dv = q.shape[0], v.shape[-1]
   xs = base.block_inputs(k, v, bias, mask, kv_len, t=t, block_k=bk,
                          is_causal=is_causal)
-  xs["k"] = shift_keys(k, kv_len, beta=beta, scale=scale, block_k=bk,
-                       compute_dtype=cd, key_rounding=config.key_rounding)
+  xs["k"], xs["shifted"] = shift_keys(
+      k, kv_len, beta=beta, scale=scale, block_k=bk, compute_dtype=cd,
+      key_rounding=config.key_rounding, adaptive=config.adaptive_shift)
 
   def step(carry, x):
     m, l, o, f, count = carry
@@ -281,22 +355,30 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
     s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
     if "bias" in x:
-      s = s + x["bias"].astype(cd)
+      b = x["bias"] if res == 1.0 else x["bias"] * jnp.float32(1.0 / res)
+      s = s + b.astype(cd)
     s = jnp.where(x["visible"], s, -jnp.inf)
     m_loc = s.max(axis=-1)                                   # step 1
-    e = base.exp_f32(s - base.safe_max(m_loc)[:, None], acc)
+    # S' - m' in the state dtype (Algorithm 1: float16, rounded)
+    e = exp(s.astype(sd) - base.safe_max(m_loc).astype(sd)[:, None])
     m_loc = m_loc.astype(sd)
     l_loc = e.sum(axis=-1).astype(sd)
     p = e.astype(cd)
-    j = count + 1
-    f_new = (((j - 1).astype(sd) * f) + s_mean) / j.astype(sd)   # step 3
-    dmp_prev = inva * (f - f_new)                            # step 4
-    dmp_cur = inva * (s_mean - f_new)
+    if config.adaptive_shift:   # an unshifted block: no Sbar' in F
+      j = count + x["shifted"].astype(jnp.int32)
+      f_new = jnp.where(x["shifted"], (((j - 1).astype(sd) * f) + s_mean)
+                        / jnp.maximum(j, 1).astype(sd), f)
+      dmp_cur = inva * (jnp.where(x["shifted"], s_mean, 0.0) - f_new)
+    else:
+      j = count + 1
+      f_new = (((j - 1).astype(sd) * f) + s_mean) / j.astype(sd)   # step 3
+      dmp_cur = inva * (s_mean - f_new)                      # step 4
+    dmp_prev = inva * (f - f_new)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    e_prev = base.exp_f32(dm_prev, acc).astype(sd)
-    e_cur = base.exp_f32(dm_cur, acc).astype(sd)
+    e_prev = exp(dm_prev).astype(sd)
+    e_cur = exp(dm_cur).astype(sd)
     l_new = e_prev * l + e_cur * l_loc                        # step 6
     pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(sd)
     o_new = e_cur[:, None] * pv + e_prev[:, None] * o
@@ -312,8 +394,9 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   out = base.finalize(o, l)
   out_dtype = jnp.promote_types(sd, jnp.float32)  # float64 stays float64
   if return_lse:
-    # Scores are relative to the common reference beta F / (1 - beta).
-    lse = (m.astype(acc) + inva.astype(acc) * f.astype(acc)
+    # Scores are relative to the common reference beta F / (1 - beta), in
+    # units of p.
+    lse = (res * (m.astype(acc) + inva.astype(acc) * f.astype(acc))
            + jnp.log(l.astype(acc)))
     return out.astype(out_dtype), jnp.where(l == 0, -jnp.inf, lse).astype(
         out_dtype)
@@ -323,5 +406,6 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 reference = base.vmap_heads(pasa_head)
 
 
-__all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "shift_keys",
+__all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "key_factor",
+           "fill_blocks", "block_shifted", "shift_keys",
            "pasa_head", "reference"]

@@ -14,8 +14,11 @@ key blocks every row sees without any mask, and skips the key blocks that no
 row of the query block can see (causal, padding).
 
 For ``"pasa"`` the caller passes keys already shifted once per key block by
-the shifting matrix and scaled by the softmax scale (PASA's batched-GEMM
-pre-processing), and ``scale`` is ``fl16(beta / (1 - beta))``.
+the shifting matrix and scaled by a factor ``p`` (PASA's batched-GEMM
+pre-processing), ``scale`` is ``fl16(beta / (1 - beta))``, the exponent's
+factor on ``S'`` is ``pasa_exp_scale = softmax scale / p``, and with the
+adaptive shift a 0/1 weight per key block says which blocks were shifted
+(an unshifted one adds no ``Sbar'`` to ``F``).
 """
 from __future__ import annotations
 
@@ -55,14 +58,16 @@ def default_params(precision: str, head_dim: int) -> common.KernelParams:
 
 def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
                   precision, block_q, block_k, has_segments, has_bias,
-                  has_mask, return_lse, state_dtype):
+                  has_mask, return_lse, state_dtype, pasa_exp_scale,
+                  has_shifted):
   """One query block of one head.
 
   q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
   bounds_ref ``[4]`` int32 (:func:`common.row_bounds`); range_ref ``[4]``
   int32, this block's key blocks (:func:`common.block_ranges`); optional
   segment ids ``[block_q]`` and ``[S_pad]`` int32, bias ``[block_q, S_pad]``
-  float32 and mask ``[block_q, S_pad]`` int8; outputs o ``[block_q, D]`` and optionally
+  float32 and mask ``[block_q, S_pad]`` int8, PASA's block weights
+  ``[S_pad / block_k]`` float32; outputs o ``[block_q, D]`` and optionally
   lse ``[block_q]`` float32 (natural log).  For PASA ``scale`` is
   ``beta / (1 - beta)`` (the softmax scale is folded into the keys) and
   ``state_dtype`` is the dtype of its ``m, l, O, F, Sbar'`` (float16 is
@@ -73,6 +78,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
                         else (None, None))
   bias_ref = refs.pop(0) if has_bias else None
   mask_ref = refs.pop(0) if has_mask else None
+  shifted_ref = refs.pop(0) if has_shifted else None
   o_ref = refs.pop(0)
   lse_ref = refs.pop(0) if return_lse else None
   f32, f16 = jnp.float32, jnp.float16
@@ -90,6 +96,11 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   def div(a, b):  # correctly rounded (no float16 division in Triton)
     return (a.astype(f32) / b.astype(f32)).astype(a.dtype)
 
+  exp_factor = LOG2E * pasa_exp_scale
+
+  def exp_pasa(x):  # exp(scale / p * x) as jaxattn.pasa.pasa_head takes it
+    return jnp.exp2(x.astype(f32) * exp_factor)
+
   def body(j, carry, masked):
     m, l, o, f, count = carry
     ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
@@ -105,7 +116,11 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
       s = s.astype(f32)
     if has_bias:
       b = bias_ref[:, ks]
-      s = s + (b * (1.0 / scale) if base2 else b).astype(s.dtype)
+      if base2:
+        b = b * (1.0 / scale)
+      elif is_pasa and pasa_exp_scale != 1.0:   # S' is in units of p
+        b = b * jnp.float32(1.0 / pasa_exp_scale)
+      s = s + b.astype(s.dtype)
     visible = None
     if masked:
       rows, cols = common.block_indices(i, j, block_q, block_k)
@@ -141,20 +156,27 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     # PASA steps 1-6, as jaxattn.pasa.pasa_head.
     m_loc = jnp.max(s, axis=1)
     m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc).astype(f16)
-    e = common.exp_f32(s - m_ref[:, None])
+    e = exp_pasa(s.astype(stat) - m_ref.astype(stat)[:, None])
     m_loc = m_loc.astype(stat)
     l_loc = jnp.sum(e, axis=1).astype(stat)
     p = e.astype(f16)
-    jn = count + 1
-    f_new = div((jn - 1).astype(stat) * f + s_mean, jn.astype(stat))
     inva = jnp.asarray(scale, stat)
+    if has_shifted:   # an unshifted block adds no Sbar' to F
+      moved = shifted_ref[j] > 0.0
+      jn = count + moved.astype(jnp.int32)
+      f_new = jnp.where(moved, div((jn - 1).astype(stat) * f + s_mean,
+                                   jnp.maximum(jn, 1).astype(stat)), f)
+      dmp_cur = inva * (jnp.where(moved, s_mean, 0.0).astype(stat) - f_new)
+    else:
+      jn = count + 1
+      f_new = div((jn - 1).astype(stat) * f + s_mean, jn.astype(stat))
+      dmp_cur = inva * (s_mean - f_new)
     dmp_prev = inva * (f - f_new)
-    dmp_cur = inva * (s_mean - f_new)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
-    e_prev = common.exp_f32(dm_prev).astype(stat)
-    e_cur = common.exp_f32(dm_cur).astype(stat)
+    e_prev = exp_pasa(dm_prev).astype(stat)
+    e_cur = exp_pasa(dm_cur).astype(stat)
     l_new = e_prev * l + e_cur * l_loc
     pv = lax.dot_general(p, v, (((1,), (0,)), ((), ())),
                          preferred_element_type=f32).astype(stat)
@@ -185,7 +207,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     if base2:
       lse = m.astype(f32) / LOG2E + lf
     elif is_pasa:
-      lse = m.astype(f32) + jnp.float32(scale) * f.astype(f32) + lf
+      lse = (jnp.float32(pasa_exp_scale)
+             * (m.astype(f32) + jnp.float32(scale) * f.astype(f32)) + lf)
     else:
       lse = m.astype(f32) + lf
     lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
@@ -193,7 +216,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
 
 def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
                     is_causal, precision, params, return_lse=False,
-                    state_dtype=jnp.float16, index_mask=None):
+                    state_dtype=jnp.float16, index_mask=None,
+                    pasa_exp_scale=1.0, pasa_shifted=None):
   """Batched flash attention through the kernel.
 
   Args:
@@ -205,6 +229,11 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
     precision: one of :data:`PRECISIONS` (static).
     state_dtype: ``"pasa"`` only: the dtype of the running state (float16
       is PASA's Algorithm 1; float32 its default allocation).
+    pasa_exp_scale: ``"pasa"`` only: the softmax scale over the keys'
+      factor (the exponent's factor on ``S'``).
+    pasa_shifted: ``"pasa"`` only: float32 ``[B, K, S_pad / block_k]``, 1
+      for the shifted key blocks, 0 for those the adaptive shift left (in
+      ``params.block_k`` blocks), or None (every block shifted).
     params: block sizes, warps and stages (:func:`default_params`).
     index_mask: query lengths, alignment, local window and segment ids
       (:class:`common.IndexMask`), or None.
@@ -254,6 +283,13 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       args.append(common.pad_axis(common.pad_axis(x.astype(dtype), 2, t_pad), 3, s_pad))
       in_specs.append(pl.BlockSpec((None, None, bq, s_pad),
                                    lambda i, bi, h: (bi, h, i, 0)))
+  if pasa_shifted is not None:
+    if pasa_shifted.shape != (b, nk, s_pad // bk):
+      raise ValueError(f"pasa_shifted must be [B, K, S_pad / block_k] = "
+                       f"{(b, nk, s_pad // bk)}, got {pasa_shifted.shape}")
+    args.append(pasa_shifted.astype(jnp.float32))
+    in_specs.append(pl.BlockSpec((None, None, s_pad // bk),
+                                 lambda i, bi, h: (bi, h // group, 0)))
   out_shape = [jax.ShapeDtypeStruct((b, t_pad, n, d_pad), in_dtype)]
   out_specs = [pl.BlockSpec((None, bq, None, d_pad),
                             lambda i, bi, h: (bi, i, h, 0))]
@@ -264,7 +300,9 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       _flash_kernel, scale=scale, precision=precision, block_q=bq,
       block_k=bk, has_segments=bool(segments), has_bias=bias is not None,
       has_mask=mask is not None, return_lse=return_lse,
-      state_dtype=jnp.dtype(state_dtype).name)
+      state_dtype=jnp.dtype(state_dtype).name,
+      pasa_exp_scale=float(pasa_exp_scale),
+      has_shifted=pasa_shifted is not None)
   outs = pl.pallas_call(
       kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,

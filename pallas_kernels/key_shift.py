@@ -13,6 +13,10 @@ Per block ``j`` of one head, with ``M = I - beta J / n`` rounded to float16
     out_j = fl16(fl16(M^T K_j) * fl16(scale))        rounding="nearest"
           = sum_preserving(X_j)                       rounding="sum_preserving"
 
+With ``shift`` (one flag per block and head, the caller's decision) a
+block whose flag is 0 is only scaled, ``out_j = scale * K_j``: exact when
+``scale`` is a power of two.
+
 ``sum_preserving`` rounds each element to one of its two float16
 neighbours so that each column's sum over the block stays within about
 half an ulp of ``X_j``'s (:func:`_sum_preserving_round`): the kernels
@@ -98,21 +102,31 @@ def _sum_preserving_round(x, rounds: int, col0=0):
   return r
 
 
-def _kernel(k_ref, len_ref, o_ref, *bad_ref, diag, off, scale, rounds):
+def _filled_block(x, valid):
+  """NaN/Inf as 0, keys past kv_len replaced by fl16 of the visible keys'
+  mean: ``(filled block, its non-finite mask)``."""
   f32, f16 = jnp.float32, jnp.float16
+  finite = jnp.isfinite(x)
+  x = jnp.where(finite, x, jnp.zeros_like(x))
+  count = jnp.maximum(valid.astype(jnp.int32).sum(), 1)
+  mean = jnp.where(valid, x.astype(f32), 0.0).sum(axis=0) / count.astype(f32)
+  return jnp.where(valid, x, mean.astype(f16)[None, :]), finite
+
+
+def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
+  f32, f16 = jnp.float32, jnp.float16
+  refs = list(refs)
+  shift_ref = refs.pop(0) if has_shift else None
+  o_ref = refs.pop(0)
+  bad_ref = refs.pop(0) if refs else None
   bk = k_ref.shape[0]
   rows = pl.program_id(1) * bk + jnp.arange(bk)
   valid = (rows < len_ref[0])[:, None]
-  x = k_ref[...].astype(f16)
-  if bad_ref:   # NaN/Inf count as 0; flag the keys that hold one
-    finite = jnp.isfinite(x)
-    bad_ref[0][...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
-    x = jnp.where(finite, x, jnp.zeros_like(x))
   # every step is per column: the tile is a block of keys and a slice of
   # the columns (fewer live registers than the whole row)
-  count = jnp.maximum(valid.astype(jnp.int32).sum(), 1)
-  mean = jnp.where(valid, x.astype(f32), 0.0).sum(axis=0) / count.astype(f32)
-  kb = jnp.where(valid, x, mean.astype(f16)[None, :])
+  kb, finite = _filled_block(k_ref[...].astype(f16), valid)
+  if bad_ref is not None:   # NaN/Inf count as 0; flag the keys with one
+    bad_ref[...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
   ii = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 0)
   jj = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 1)
   m = jnp.where(ii == jj, np.float16(diag), np.float16(off)).astype(f16)
@@ -120,15 +134,19 @@ def _kernel(k_ref, len_ref, o_ref, *bad_ref, diag, off, scale, rounds):
                                 preferred_element_type=f32)   # M^T K_j
   if rounds:
     out = _sum_preserving_round(shifted * np.float32(scale), rounds,
-                                col0=pl.program_id(3) * x.shape[1])
+                                col0=pl.program_id(3) * dc)
   else:
     out = shifted.astype(f16) * np.float16(scale)
+  if has_shift:
+    out = jnp.where(shift_ref[0] > 0.0, out.astype(f16),
+                    (kb.astype(f32) * np.float32(scale)).astype(f16))
   o_ref[...] = out.astype(f16)
 
 
 def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
                        block_k: int, rounding: str = "sum_preserving",
-                       rounds: int = 2, flag_nonfinite: bool = False):
+                       rounds: int = 2, flag_nonfinite: bool = False,
+                       shift=None):
   """Shifted, scaled float16 key blocks (see the module docstring).
 
   Args:
@@ -141,6 +159,8 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
     rounding: ``"nearest"`` or ``"sum_preserving"`` (``rounds`` passes).
     flag_nonfinite: NaN/Inf elements count as 0, and the keys that hold
       one are flagged.
+    shift: None (shift every block) or bool ``[B, S_pad / block_k, K]``:
+      the blocks to shift; the others are only scaled.
   Returns:
     ``([B, S_pad, K, D] float16, flags)``, ``S_pad = round_up(S,
     block_k)``; flags bool ``[B, S, K]`` or None.
@@ -159,23 +179,32 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
   dc = (min(SUM_PRESERVING_COLUMNS, d_pad) if rounding == "sum_preserving"
         else d_pad)
   nc = d_pad // dc
+  nb = s_pad // block_k
   tile = pl.BlockSpec((None, block_k, None, dc),
                       lambda bi, j, h, c: (bi, j, h, c))
+  in_specs = [tile, pl.BlockSpec((None, 1), lambda bi, j, h, c: (bi, 0))]
+  args = [k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1)]
   out_specs = [tile]
   out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float16)]
+  if shift is not None:
+    if shift.shape != (b, nb, nk):
+      raise ValueError(f"shift must be [B, S_pad / block_k, K] = "
+                       f"{(b, nb, nk)}, got {shift.shape}")
+    in_specs.append(pl.BlockSpec((None, None, None, 1),
+                                 lambda bi, j, h, c: (bi, j, h, 0)))
+    args.append(shift.astype(jnp.float32)[..., None])
   if flag_nonfinite:       # per column slice; any over the slices below
     out_specs.append(pl.BlockSpec((None, block_k, None, None),
                                   lambda bi, j, h, c: (bi, j, h, c)))
     out_shape.append(jax.ShapeDtypeStruct((b, s_pad, nk, nc), jnp.float32))
   outs = pl.pallas_call(
       functools.partial(_kernel, diag=diag, off=off, scale=scale,
-                        rounds=rounds if rounding == "sum_preserving" else 0),
-      grid=(b, s_pad // block_k, nk, nc),
-      in_specs=[tile,
-                pl.BlockSpec((None, 1), lambda bi, j, h, c: (bi, 0))],
+                        rounds=rounds if rounding == "sum_preserving" else 0,
+                        has_shift=shift is not None, dc=dc),
+      grid=(b, nb, nk, nc), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
       interpret=common.interpret(), name="jaxattn_shifted_key_blocks",
-  )(k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1))
+  )(*args)
   flags = (outs[1][:, :s] > 0).any(axis=-1) if flag_nonfinite else None
   return outs[0][..., :d], flags

@@ -34,7 +34,9 @@ Operand types (static ``qk`` / ``pv``):
 ``pasa_inva`` (PASA): Q and the shifted keys in float16, the softmax of
 Algorithm 1 (steps 1-6) with the online pseudo-average: ``S'`` and ``P`` in
 float16, the state (``m, l, O, F``, the per-block ``P V``) in
-``pasa_state_dtype`` (float16 is the paper's Algorithm 1).
+``pasa_state_dtype`` (float16 is the paper's Algorithm 1); the exponent's
+factor ``pasa_exp_scale`` on ``S'``, and per key block a 0/1 weight where
+the adaptive shift left some blocks (:mod:`jaxattn.pasa`).
 
 8-bit P feeds the PV wgmma from registers: the accumulator-layout
 registers are reinterpreted as the 8-bit operand layout without moving data
@@ -150,12 +152,13 @@ def _smem(shape, dtype):
       plgpu.SwizzleTransform(swizzle)))
 
 
-def _pasa_scores(s, visible, *, block_k, state_dtype):
+def _pasa_scores(s, visible, *, block_k, state_dtype, exp_factor):
   """PASA steps 1-2 on one key block's float32 product ``S' = Q K'^T``
   (``[bq, bk]``, WGMMA layout), as :func:`jaxattn.pasa.pasa_head`: the
   row mean over all ``bk`` columns before any mask, ``S'`` rounded to
   float16, its masked row max ``m'``, ``P = fl16(exp(S' - m'))`` and
-  ``l' = rowsum exp(S' - m')``.  Returns ``P`` (float16) and the rows
+  ``l' = rowsum exp(S' - m')`` (``S' - m'`` in ``state_dtype``, times
+  ``exp_factor`` in base 2).  Returns ``P`` (float16) and the rows
   ``(s_mean, m', l', seen)`` in ``state_dtype``."""
   f32, f16 = jnp.float32, jnp.float16
   s_mean = (s.sum(axis=1) * (1.0 / block_k)).astype(state_dtype)
@@ -166,30 +169,41 @@ def _pasa_scores(s, visible, *, block_k, state_dtype):
     seen = jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0
   m_loc = s.max(axis=1)
   m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc)
-  e = jnp.exp2((s - lax.broadcast_in_dim(m_ref, s.shape, [0])).astype(f32)
-               * LOG2E)
   sd = state_dtype
+  e = jnp.exp2((s.astype(sd) - lax.broadcast_in_dim(m_ref.astype(sd), s.shape,
+                                                     [0])).astype(f32)
+               * exp_factor)
   return e.astype(f16), (s_mean, m_loc.astype(sd), e.sum(axis=1).astype(sd),
                          seen)
 
 
-def _pasa_update(state, rows, pv_blk, *, inva):
+def _pasa_update(state, rows, pv_blk, *, inva, exp_factor, weight):
   """PASA steps 3-6 (:func:`jaxattn.pasa.pasa_head`) in the state's dtype
   (``O``'s): the online pseudo-average ``F``, the corrections ``dm'``, the
   new max and the rescaled ``l`` and ``O`` with the block's ``P V``.
   ``state`` is ``(O, m, l, (F, count))``; rows that see no key of the block
-  keep it."""
+  keep it.  ``weight``: the block's float32 scalar, 1 if it is shifted and
+  0 if not (None: every block is); an unshifted one adds no ``Sbar'`` to
+  ``F``."""
   f32 = jnp.float32
   o, m, l, (f, count) = state
   sd = o.dtype
   s_mean, m_loc, l_loc, seen = rows
-  exp_sd = lambda x: jnp.exp2(x.astype(f32) * LOG2E).astype(sd)
-  jn = count + 1.0                      # the block count j (exact in f32)
-  f_new = (count.astype(sd) * f + s_mean).astype(f32)
-  f_new = (f_new / jn.astype(sd).astype(f32)).astype(sd)
+  exp_sd = lambda x: jnp.exp2(x.astype(f32) * exp_factor).astype(sd)
   inva = jnp.asarray(inva, sd)
+  if weight is None:
+    jn = count + 1.0                    # the block count j (exact in f32)
+    f_new = (count.astype(sd) * f + s_mean).astype(f32)
+    f_new = (f_new / jn.astype(sd).astype(f32)).astype(sd)
+    dmp_cur = inva * (s_mean - f_new)
+  else:   # the scalar as a row (a select takes no scalar predicate)
+    moved = count * 0.0 + weight > 0.0
+    jn = count + jnp.where(moved, 1.0, 0.0)
+    f_new = (count.astype(sd) * f + s_mean).astype(f32)
+    f_new = jnp.where(moved, (f_new / jnp.maximum(jn, 1.0).astype(sd)
+                              .astype(f32)).astype(sd), f)
+    dmp_cur = inva * (jnp.where(moved, s_mean, 0.0).astype(sd) - f_new)
   dmp_prev = inva * (f - f_new)
-  dmp_cur = inva * (s_mean - f_new)
   m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
   e_prev = exp_sd((m - m_new) + dmp_prev)
   e_cur = exp_sd((m_loc - m_new) + dmp_cur)
@@ -222,7 +236,7 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
 
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
-            has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
+            pasa_exp_scale, has_shifted, has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
             has_epilogue, p_in_smem, fused_pv, out_dtype, exact_exponent,
             return_lse):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
@@ -233,7 +247,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
-  optional out_scale, out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
+  optional PASA block weights ``[B, K, nb]`` float32; optional out_scale,
+  out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
   with ``return_lse`` lse ``[B, N, T]`` float32.
   ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
   ``fl16(beta / (1 - beta))`` (:func:`_pasa_update`)."""
@@ -243,6 +258,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
   qbias_ref = refs.pop(0) if has_qbias else None
   vbs_ref = refs.pop(0) if has_vbs else None
+  shifted_ref = refs.pop(0) if has_shifted else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
   out_ref, lse_ref = refs if return_lse else (*refs, None)
   bq, bk = block_q, block_k
@@ -370,7 +386,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         (PASA: P and the block's rows for :func:`_pasa_update`)."""
         if pasa:
           p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
-                                      state_dtype=stat)
+                                      state_dtype=stat,
+                                      exp_factor=LOG2E * pasa_exp_scale)
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
@@ -444,7 +461,10 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
         if pasa:
-          return _pasa_update(state, pasa_rows, pv_blk, inva=c_scale)
+          weight = shifted_ref[batch, kv_head, j] if has_shifted else None
+          return _pasa_update(state, pasa_rows, pv_blk, inva=c_scale,
+                              exp_factor=LOG2E * pasa_exp_scale,
+                              weight=weight)
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
@@ -615,7 +635,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, out_scale=None,
                      out_shift=None, pasa_inva=None,
-                     pasa_state_dtype=jnp.float16, v_keys_ordered=False,
+                     pasa_state_dtype=jnp.float16, pasa_exp_scale=1.0,
+                     pasa_shifted=None, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
                      return_lse=False, index_mask=None):
   """Runs the kernel on BTNH inputs.
@@ -636,6 +657,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       scaled float16 keys (PASA's per-block shift, done by the caller) and
       the softmax runs PASA's steps 1-6 (``qk = pv = "fp16"``, float16
       only) with the state in ``pasa_state_dtype`` (float16: Algorithm 1).
+    pasa_exp_scale: the softmax scale over the keys' factor (PASA).
+    pasa_shifted: float32 ``[B, K, S_pad / block_k]``, 1 for a shifted key
+      block and 0 for one the adaptive shift left, or None (PASA).
     exact_exponent: the exponent as ``(s - m) * c`` (exact for the scores
       near the row max however large they are; one more instruction per
       score) instead of the fused ``s * c - m``; needed where
@@ -702,6 +726,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                     -(-t_pad // bias_rows)))
   if v_block_scale is not None:
     args.append(pad(v_block_scale.astype(jnp.float32), 2, s_pad // bk))
+  if pasa_shifted is not None:
+    if pasa_shifted.shape != (b, nk, s_pad // bk):
+      raise ValueError(f"pasa_shifted must be [B, K, S_pad / block_k] = "
+                       f"{(b, nk, s_pad // bk)}, got {pasa_shifted.shape}")
+    args.append(pasa_shifted.astype(jnp.float32))
   has_epilogue = out_scale is not None
   if has_epilogue:
     args += [pad(x.astype(jnp.float32), 2, d_tile)
@@ -717,7 +746,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       stages=params.stages, group=n // nk,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
-      has_segments=bool(segments), has_qk_scales=has_qk_scales,
+      pasa_exp_scale=float(pasa_exp_scale),
+      has_shifted=pasa_shifted is not None, has_segments=bool(segments), has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,

@@ -103,8 +103,10 @@ def test_log_sum_exp(precision):
   q4, k4, v4 = q[None, :, None], k[None, :, None], v[None, :, None]
   scale = kw.pop("scale")
   if precision == "pasa":  # the kernel takes the shifted keys
-    k4, v4, scale, _ = operands.pasa_operands(k4, v4, lens, scale=scale,
-                                              config=config)
+    ops = operands.pasa_operands(k4, v4, lens, scale=scale, config=config)
+    k4, v4, scale = ops.k, ops.v, ops.inva
+    kw.update(pasa_exp_scale=ops.exp_scale, pasa_shifted=ops.shifted,
+              state_dtype=config.state_dtype)
   _, lse = flash_kernel.flash_attention(
       q4, k4, v4, lens, scale=scale, precision=precision,
       params=triton_backend.flash_params(precision, 64, config), **kw)

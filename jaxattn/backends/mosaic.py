@@ -125,16 +125,16 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   ``config.state_dtype``); float16 output."""
   del bias, mask
   f16 = jnp.float16
-  k_shifted, v, inva, bad_kv = operands.pasa_operands(
-      k, v.astype(f16), kv_lens, scale=scale, config=config)
+  ops = operands.pasa_operands(k, v.astype(f16), kv_lens, scale=scale,
+                               config=config)
   out = mosaic.mosaic_attention(
-      q.astype(f16), k_shifted, v, kv_lens, qk="fp16", pv="fp16",
+      q.astype(f16), ops.k, ops.v, kv_lens, qk="fp16", pv="fp16",
       is_causal=is_causal,
-      params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=inva,
-      pasa_state_dtype=config.state_dtype, out_dtype=f16,
-      index_mask=index_mask)
+      params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=ops.inva,
+      pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
+      pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask)
   return nonfinite.poison(out, nonfinite.rows_reached(
-      None, bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
+      None, ops.bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
       index_mask=index_mask))
 
 

@@ -89,17 +89,17 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           return_lse=False, index_mask=None):
   """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
   kernel; a non-finite query poisons its own row there."""
-  k_shifted, v, inva, bad_kv = operands.pasa_operands(
-      k, v, kv_lens, scale=scale, config=config)
+  ops = operands.pasa_operands(k, v, kv_lens, scale=scale, config=config)
   outs = flash.flash_attention(
-      q, k_shifted, v, kv_lens, bias, mask, scale=inva,
+      q, ops.k, ops.v, kv_lens, bias, mask, scale=ops.inva,
       is_causal=is_causal, precision="pasa",
       params=flash_params("pasa", q.shape[-1], config),
       state_dtype=config.state_dtype, return_lse=return_lse,
-      index_mask=index_mask)
+      index_mask=index_mask, pasa_exp_scale=ops.exp_scale,
+      pasa_shifted=ops.shifted)
   out = nonfinite.poison(outs[0] if return_lse else outs,
                          nonfinite.rows_reached(
-                             None, bad_kv, mask, kv_lens,
+                             None, ops.bad_kv, mask, kv_lens,
                              is_causal=is_causal, q_shape=q.shape,
                              index_mask=index_mask))
   return (out, outs[1]) if return_lse else out
