@@ -239,10 +239,11 @@ def finalize(o, l):
   return jnp.where(l == 0, jnp.zeros_like(o), o / safe_l)
 
 
-def exp_f32(x, acc=jnp.float32):
-  """``exp(x)`` as the kernels compute it: ``exp2(x * log2(e))`` in float32
-  (``acc``), whatever the dtype of ``x``; round the result where needed."""
-  return jnp.exp2(x.astype(acc) * LOG2E)
+def exp_f32(x, acc=jnp.float32, scale: float = 1.0):
+  """``exp(scale * x)`` as the kernels compute it: ``exp2(x * (scale
+  log2(e)))`` in float32 (``acc``), the factor one constant, whatever the
+  dtype of ``x``; round the result where needed."""
+  return jnp.exp2(x.astype(acc) * jnp.asarray(scale * LOG2E, acc))
 
 
 def default_scale(head_dim: int) -> float:

@@ -70,6 +70,7 @@ Decisions beyond the paper (documented in the README):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -340,7 +341,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
                      .astype(base.as_numpy_dtype(cd)), sd)
   # S' is in units of the keys' factor p; the exponent takes scale / p
   res = scale / key_factor(scale, config.adaptive_shift)
-  exp = lambda x: jnp.exp2(x.astype(acc) * jnp.asarray(res * base.LOG2E, acc))
+  exp = functools.partial(base.exp_f32, acc=acc, scale=res)
   q, v = q.astype(cd), v.astype(cd)
   t, dv = q.shape[0], v.shape[-1]
   xs = base.block_inputs(k, v, bias, mask, kv_len, t=t, block_k=bk,

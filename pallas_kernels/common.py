@@ -58,9 +58,10 @@ def interpret() -> bool:
   return not has_gpu()
 
 
-def exp_f32(x):
-  """``exp(x)`` as the kernels take it: ``exp2(x * log2 e)`` in float32."""
-  return jnp.exp2(x.astype(jnp.float32) * LOG2E)
+def exp_f32(x, scale: float = 1.0):
+  """``exp(scale * x)`` as the kernels take it: ``exp2(x * (scale log2 e))``
+  in float32, the factor one constant."""
+  return jnp.exp2(x.astype(jnp.float32) * (scale * LOG2E))
 
 
 def round_probability(p, levels: int):

@@ -96,10 +96,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   def div(a, b):  # correctly rounded (no float16 division in Triton)
     return (a.astype(f32) / b.astype(f32)).astype(a.dtype)
 
-  exp_factor = LOG2E * pasa_exp_scale
-
-  def exp_pasa(x):  # exp(scale / p * x) as jaxattn.pasa.pasa_head takes it
-    return jnp.exp2(x.astype(f32) * exp_factor)
+  # exp(scale / p * x), as jaxattn.pasa.pasa_head takes it
+  exp_pasa = functools.partial(common.exp_f32, scale=pasa_exp_scale)
 
   def body(j, carry, masked):
     m, l, o, f, count = carry
