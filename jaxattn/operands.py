@@ -599,8 +599,10 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
   beta = config.resolved_beta
   adaptive = config.adaptive_shift
   factor = pasa.key_factor(scale, adaptive)
-  shift = block_shifts(k, kv_lens, beta=beta,
-                       block_k=config.block_k) if adaptive else None
+  shift = (key_shift.large_mean_blocks(k, kv_lens, beta=beta,
+                                       min_ratio=pasa.SHIFT_MIN_RATIO,
+                                       block_k=config.block_k)
+           if adaptive else None)
   k_shifted, bad_k = key_shift.shifted_key_blocks(
       k, kv_lens, beta=beta, scale=factor, block_k=config.block_k,
       rounding=config.key_rounding, flag_nonfinite=True, shift=shift)
@@ -608,27 +610,7 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
   return PasaOperands(
       k=k_shifted, v=nonfinite.finite_if(bad_v, v),
       inva=float(np.float16(beta / (1.0 - beta))),
-      exp_scale=scale / factor,
-      shifted=(shift.transpose(0, 2, 1).astype(jnp.float32) if adaptive
-               else None),
-      bad_kv=bad_k | bad_v)
-
-
-def block_shifts(k, kv_lens, *, beta: float, block_k: int):
-  """:func:`jaxattn.pasa.block_shifted` of every head's key blocks in one
-  XLA reduction over K (float16 ``[B, S, K, D]``; NaN/Inf count as 0, as in
-  the key kernel): bool ``[B, S_pad / block_k, K]``."""
-  b, s, nk, d = k.shape
-  nb = -(-s // block_k)
-  k = jnp.pad(k.astype(jnp.float16), [(0, 0), (0, nb * block_k - s), (0, 0),
-                                      (0, 0)])
-  k = jnp.where(jnp.isfinite(k), k, jnp.zeros_like(k))
-  kb = k.reshape(b, nb, block_k, nk, d)     # keys of a block on axis 2
-  rows = jnp.arange(nb * block_k).reshape(1, nb, block_k, 1, 1)
-  lens = jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s)
-  valid = rows < lens.reshape(b, 1, 1, 1, 1)
-  return pasa.block_shifted(pasa.fill_blocks(kb, valid, axis=2), beta,
-                            axis=2)
+      exp_scale=scale / factor, shifted=shift, bad_kv=bad_k | bad_v)
 
 
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):

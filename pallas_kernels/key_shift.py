@@ -13,9 +13,10 @@ Per block ``j`` of one head, with ``M = I - beta J / n`` rounded to float16
     out_j = fl16(fl16(M^T K_j) * fl16(scale))        rounding="nearest"
           = sum_preserving(X_j)                       rounding="sum_preserving"
 
-With ``shift`` (one flag per block and head, the caller's decision) a
-block whose flag is 0 is only scaled, ``out_j = scale * K_j``: exact when
-``scale`` is a power of two.
+With ``shift`` (one flag per block and head, :func:`large_mean_blocks`
+for the adaptive shift) a block whose flag is 0 is only scaled, ``out_j =
+scale * K_j``: exact when ``scale`` is a power of two, and without the
+rounding's work.
 
 ``sum_preserving`` rounds each element to one of its two float16
 neighbours so that each column's sum over the block stays within about
@@ -25,9 +26,9 @@ recover the scores from the block means of the shifted keys, magnified by
 ``block_k / 2`` ulps in each column sum.
 
 One read of the float16 keys and one write: for 2 x 8192 x 32 heads x 128
-on an H100, 0.13 ms ("nearest") and 0.92 ms ("sum_preserving"), where the
-XLA formulation of the same steps (a batched matmul, a transposing vmap,
-reductions and a cumulative sum) took 0.36 ms and 3.5 ms.
+on an H100, 0.16 ms ("nearest") and 0.85 ms ("sum_preserving" on every
+block), where the XLA formulation of the same steps (a batched matmul, a
+transposing vmap, reductions and a cumulative sum) took 0.36 ms and 3.5 ms.
 """
 from __future__ import annotations
 
@@ -74,7 +75,8 @@ def _sum_preserving_round(x, rounds: int, col0=0):
   columns."""
   f32 = jnp.float32
   r = x.astype(jnp.float16)
-  col = col0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
+  col37 = ((col0 + jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)) * 37
+           ).astype(f32)
   rows = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 0)
   cols = jax.lax.broadcasted_iota(jnp.int32, (x.shape[0], x.shape[0]), 1)
   tri = (cols <= rows).astype(jnp.float16)                 # lower, inclusive
@@ -95,9 +97,13 @@ def _sum_preserving_round(x, rounds: int, col0=0):
     # instead of a scan across the warps that hold the tile's rows
     rank = jax.lax.dot_general(tri, cand, (((1,), (0,)), ((), ())),
                                preferred_element_type=f32) - 1.0
-    rank = rank.astype(jnp.int32)
-    moved = candidate & (
-        ((rank - col * 37) % count.astype(jnp.int32)).astype(f32) < n)
+    # (rank - 37 col) mod count in float32 (an int32 % is a long emulated
+    # sequence; measured 0.10 of the kernel's 0.95 ms): the integers are
+    # exact, and the quotient of t + 1/2 lies at least 1/(2 count) from an
+    # integer, so floor() is right whatever the division's rounding
+    t = rank - col37
+    t = t - jnp.floor((t + 0.5) / count) * count
+    moved = candidate & (t < n)
     r = jnp.where(moved, other, r)
   return r
 
@@ -127,20 +133,81 @@ def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
   kb, finite = _filled_block(k_ref[...].astype(f16), valid)
   if bad_ref is not None:   # NaN/Inf count as 0; flag the keys with one
     bad_ref[...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
-  ii = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 0)
-  jj = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 1)
-  m = jnp.where(ii == jj, np.float16(diag), np.float16(off)).astype(f16)
-  shifted = jax.lax.dot_general(m, kb, (((0,), (0,)), ((), ())),
-                                preferred_element_type=f32)   # M^T K_j
-  if rounds:
-    out = _sum_preserving_round(shifted * np.float32(scale), rounds,
-                                col0=pl.program_id(3) * dc)
-  else:
-    out = shifted.astype(f16) * np.float16(scale)
-  if has_shift:
-    out = jnp.where(shift_ref[0] > 0.0, out.astype(f16),
-                    (kb.astype(f32) * np.float32(scale)).astype(f16))
-  o_ref[...] = out.astype(f16)
+  col0 = pl.program_id(3) * dc   # outside the branches (interpret mode)
+
+  def shifted():
+    ii = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 0)
+    jj = jax.lax.broadcasted_iota(jnp.int32, (bk, bk), 1)
+    m = jnp.where(ii == jj, np.float16(diag), np.float16(off)).astype(f16)
+    x = jax.lax.dot_general(m, kb, (((0,), (0,)), ((), ())),
+                            preferred_element_type=f32)   # M^T K_j
+    if rounds:
+      out = _sum_preserving_round(x * np.float32(scale), rounds, col0=col0)
+    else:
+      out = x.astype(f16) * np.float16(scale)
+    o_ref[...] = out.astype(f16)
+
+  if shift_ref is None:
+    shifted()
+    return
+  moved = shift_ref[0] > 0.0
+  pl.when(moved)(shifted)
+
+  @pl.when(jnp.logical_not(moved))
+  def _():   # only scaled: exact when scale is a power of two
+    o_ref[...] = (kb.astype(f32) * np.float32(scale)).astype(f16)
+
+
+def _large_mean_kernel(k_ref, len_ref, o_ref, *, beta, ratio):
+  f32 = jnp.float32
+  bk = k_ref.shape[0]
+  rows = pl.program_id(1) * bk + jnp.arange(bk)
+  kb, _ = _filled_block(k_ref[...].astype(jnp.float16),
+                        (rows < len_ref[0])[:, None])
+  # column sums on the tensor cores: a float32 copy of the tile costs more
+  ones = jnp.ones((16, bk), jnp.float16)
+  colsum = jax.lax.dot_general(ones, kb, (((1,), (0,)), ((), ())),
+                               preferred_element_type=f32).max(axis=0)
+  c = jnp.float32(beta / bk) * colsum
+  a = jnp.maximum(kb.max(axis=0).astype(f32) - c,
+                  c - kb.min(axis=0).astype(f32))
+  moved = jnp.sum(c * c) > jnp.float32(ratio * ratio) * jnp.sum(a * a)
+  o_ref[...] = jnp.full((1,), moved.astype(f32))
+
+
+def large_mean_blocks(k, kv_lens, *, beta: float, min_ratio: float,
+                      block_k: int):
+  """Which key blocks have a large mean against the spread that removing
+  it leaves: ``|c|^2 > min_ratio^2 |A|^2`` with ``c = beta mean(K_j)`` and
+  ``A_d = max_i |k_id - c_d|``, in float32 over the block filled as the
+  key kernel fills it (NaN/Inf as 0, keys past kv_len as the visible
+  keys' mean).
+
+  Args: k ``[B, S, K, D]`` float16; kv_lens int32 ``[B]``.
+  Returns: float32 ``[B, K, S_pad / block_k]``, 1 for such a block, else
+  0: the ``shift`` of :func:`shifted_key_blocks` and the block weights of
+  the shifted-key attention kernels.  One read of K (0.1 ms for 2 x 8192 x
+  32 heads x 128 on an H100).
+  """
+  b, s, nk, d = k.shape
+  s_pad = common.round_up(s, block_k)
+  d_pad = max(16, pl.next_power_of_2(d))
+  k = common.pad_axis(common.pad_axis(k.astype(jnp.float16), 1, s_pad),
+                      3, d_pad)
+  nb = s_pad // block_k
+  out = pl.pallas_call(
+      functools.partial(_large_mean_kernel, beta=beta, ratio=min_ratio),
+      grid=(b, nb, nk),
+      in_specs=[pl.BlockSpec((None, block_k, None, d_pad),
+                             lambda bi, j, h: (bi, j, h, 0)),
+                pl.BlockSpec((None, 1), lambda bi, j, h: (bi, 0))],
+      out_specs=pl.BlockSpec((None, None, None, 1),
+                             lambda bi, j, h: (bi, h, j, 0)),
+      out_shape=jax.ShapeDtypeStruct((b, nk, nb, 1), jnp.float32),
+      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+      interpret=common.interpret(), name="jaxattn_large_mean_blocks",
+  )(k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1))
+  return out[..., 0]
 
 
 def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
@@ -159,8 +226,9 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
     rounding: ``"nearest"`` or ``"sum_preserving"`` (``rounds`` passes).
     flag_nonfinite: NaN/Inf elements count as 0, and the keys that hold
       one are flagged.
-    shift: None (shift every block) or bool ``[B, S_pad / block_k, K]``:
-      the blocks to shift; the others are only scaled.
+    shift: None (shift every block) or float32 ``[B, K, S_pad /
+      block_k]`` (:func:`large_mean_blocks`): the blocks to shift (1); the
+      others (0) are only scaled, without the rounding's work.
   Returns:
     ``([B, S_pad, K, D] float16, flags)``, ``S_pad = round_up(S,
     block_k)``; flags bool ``[B, S, K]`` or None.
@@ -187,11 +255,11 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
   out_specs = [tile]
   out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float16)]
   if shift is not None:
-    if shift.shape != (b, nb, nk):
-      raise ValueError(f"shift must be [B, S_pad / block_k, K] = "
-                       f"{(b, nb, nk)}, got {shift.shape}")
+    if shift.shape != (b, nk, nb):
+      raise ValueError(f"shift must be [B, K, S_pad / block_k] = "
+                       f"{(b, nk, nb)}, got {shift.shape}")
     in_specs.append(pl.BlockSpec((None, None, None, 1),
-                                 lambda bi, j, h, c: (bi, j, h, 0)))
+                                 lambda bi, j, h, c: (bi, h, j, 0)))
     args.append(shift.astype(jnp.float32)[..., None])
   if flag_nonfinite:       # per column slice; any over the slices below
     out_specs.append(pl.BlockSpec((None, block_k, None, None),
