@@ -119,6 +119,26 @@ def _filled_block(x, valid):
   return jnp.where(valid, x, mean.astype(f16)[None, :]), finite
 
 
+def _visible_block(k_ref, len_ref):
+  """This program's key tile, filled (:func:`_filled_block`)."""
+  bk = k_ref.shape[0]
+  rows = pl.program_id(1) * bk + jnp.arange(bk)
+  return _filled_block(k_ref[...].astype(jnp.float16),
+                       (rows < len_ref[0])[:, None])
+
+
+def _padded_keys(k, kv_lens, block_k: int):
+  """``(k, lens)`` as both kernels take them: float16 keys padded to
+  ``[B, S_pad, K, D_pad]`` (whole blocks, a power-of-two ``D_pad >= 16``)
+  and the lengths clipped to ``S``, int32 ``[B, 1]``."""
+  if block_k not in BLOCK_KS:
+    raise ValueError(f"block_k must be one of {BLOCK_KS}, got {block_k}")
+  b, s, _, d = k.shape
+  k = common.pad_axis(k.astype(jnp.float16), 1, common.round_up(s, block_k))
+  k = common.pad_axis(k, 3, max(16, pl.next_power_of_2(d)))
+  return k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1)
+
+
 def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
   f32, f16 = jnp.float32, jnp.float16
   refs = list(refs)
@@ -126,11 +146,9 @@ def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
   o_ref = refs.pop(0)
   bad_ref = refs.pop(0) if refs else None
   bk = k_ref.shape[0]
-  rows = pl.program_id(1) * bk + jnp.arange(bk)
-  valid = (rows < len_ref[0])[:, None]
   # every step is per column: the tile is a block of keys and a slice of
   # the columns (fewer live registers than the whole row)
-  kb, finite = _filled_block(k_ref[...].astype(f16), valid)
+  kb, finite = _visible_block(k_ref, len_ref)
   if bad_ref is not None:   # NaN/Inf count as 0; flag the keys with one
     bad_ref[...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
   col0 = pl.program_id(3) * dc   # outside the branches (interpret mode)
@@ -161,9 +179,7 @@ def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
 def _large_mean_kernel(k_ref, len_ref, o_ref, *, beta, ratio):
   f32 = jnp.float32
   bk = k_ref.shape[0]
-  rows = pl.program_id(1) * bk + jnp.arange(bk)
-  kb, _ = _filled_block(k_ref[...].astype(jnp.float16),
-                        (rows < len_ref[0])[:, None])
+  kb, _ = _visible_block(k_ref, len_ref)
   # column sums on the tensor cores: a float32 copy of the tile costs more
   ones = jnp.ones((16, bk), jnp.float16)
   colsum = jax.lax.dot_general(ones, kb, (((1,), (0,)), ((), ())),
@@ -189,12 +205,9 @@ def large_mean_blocks(k, kv_lens, *, beta: float, min_ratio: float,
   the shifted-key attention kernels.  One read of K (0.1 ms for 2 x 8192 x
   32 heads x 128 on an H100).
   """
-  b, s, nk, d = k.shape
-  s_pad = common.round_up(s, block_k)
-  d_pad = max(16, pl.next_power_of_2(d))
-  k = common.pad_axis(common.pad_axis(k.astype(jnp.float16), 1, s_pad),
-                      3, d_pad)
-  nb = s_pad // block_k
+  b, nk = k.shape[0], k.shape[2]
+  k, lens = _padded_keys(k, kv_lens, block_k)
+  nb, d_pad = k.shape[1] // block_k, k.shape[3]
   out = pl.pallas_call(
       functools.partial(_large_mean_kernel, beta=beta, ratio=min_ratio),
       grid=(b, nb, nk),
@@ -206,7 +219,7 @@ def large_mean_blocks(k, kv_lens, *, beta: float, min_ratio: float,
       out_shape=jax.ShapeDtypeStruct((b, nk, nb, 1), jnp.float32),
       compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
       interpret=common.interpret(), name="jaxattn_large_mean_blocks",
-  )(k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1))
+  )(k, lens)
   return out[..., 0]
 
 
@@ -235,13 +248,9 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
   """
   if rounding not in ROUNDINGS:
     raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-  if block_k not in BLOCK_KS:
-    raise ValueError(f"block_k must be one of {BLOCK_KS}, got {block_k}")
   b, s, nk, d = k.shape
-  s_pad = common.round_up(s, block_k)
-  d_pad = max(16, pl.next_power_of_2(d))
-  k = common.pad_axis(common.pad_axis(k.astype(jnp.float16), 1, s_pad),
-                      3, d_pad)
+  k, lens = _padded_keys(k, kv_lens, block_k)
+  s_pad, d_pad = k.shape[1], k.shape[3]
   diag = float(np.float16(1.0 - beta / block_k))
   off = float(np.float16(-beta / block_k))
   dc = (min(SUM_PRESERVING_COLUMNS, d_pad) if rounding == "sum_preserving"
@@ -251,7 +260,7 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
   tile = pl.BlockSpec((None, block_k, None, dc),
                       lambda bi, j, h, c: (bi, j, h, c))
   in_specs = [tile, pl.BlockSpec((None, 1), lambda bi, j, h, c: (bi, 0))]
-  args = [k, jnp.minimum(jnp.asarray(kv_lens, jnp.int32), s).reshape(b, 1)]
+  args = [k, lens]
   out_specs = [tile]
   out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float16)]
   if shift is not None:
