@@ -2,6 +2,7 @@
 method, shaped like ``jax.nn.dot_product_attention``."""
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import warnings
@@ -12,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import base, grad, methods, nonfinite, ring, sharding
-from jaxattn.backends import Call
+from jaxattn.backends import Call, with_defaults
 from jaxattn.backends import mosaic, reference, triton
 from pallas_kernels.common import IndexMask, row_bounds
 
@@ -418,6 +419,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                    q_segment_ids=q_segment_ids,
                    kv_segment_ids=kv_segment_ids,
                    causal_alignment=causal_alignment))
+  config = backend_config(method, impl, config, options)
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
   out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
                    method=method, implementation=impl, scale=scale,
@@ -429,6 +431,27 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     else:
       out = (out[0][0], *out[1:]) if isinstance(out, tuple) else out[0]
   return out
+
+
+def backend_config(method: str, implementation: str, config, options):
+  """``config`` with the backend's preferred values of the options the call
+  (and the method's preset) left unset (:attr:`backends.Adapter.
+  defaults`: e.g. sage's ``block_k=128`` on the Mosaic kernel)."""
+  adapter = BACKENDS[implementation].ADAPTERS.get(method)
+  return config if adapter is None else with_defaults(adapter, config,
+                                                      options)
+
+
+def backend_options(method: str, implementation: str, **options) -> dict:
+  """``options`` plus the values ``implementation`` fills into the ones
+  left unset (:func:`backend_config`): pass them to another implementation
+  (e.g. ``"reference"``) to reproduce this one's numerics."""
+  cls = methods.get(method).config_cls
+  plain = cls.from_options(**options)
+  config = backend_config(method, implementation, plain, options)
+  return {**options, **{f.name: getattr(config, f.name)
+                        for f in dataclasses.fields(config)
+                        if getattr(config, f.name) != getattr(plain, f.name)}}
 
 
 def _normalise(query, key, value, bias, mask, key_value_seq_lengths, *,
@@ -527,6 +550,7 @@ def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
   q, k, v, _, _, _, _, impl = _normalise(
       query, key, value, None, None, None, config=config, method=method,
       implementation=implementation, is_causal=is_causal)
+  config = backend_config(method, impl, config, options)
   b, c = q.shape[0], k.shape[1]
   if key_value_seq_lengths is None:
     kv_lens = jnp.full((b,), n * c, jnp.int32)

@@ -59,6 +59,12 @@ class MethodConfig:
           f"{names}")
     return cls(**options)
 
+  @classmethod
+  def fixed_fields(cls, options) -> set[str]:
+    """The fields that the call's ``options`` set (under their current
+    names); a backend's preferred values apply only to the others."""
+    return {cls.RENAMED.get(name, name) for name in options}
+
 
 def check_kernel_knobs(config) -> None:
   """Validates the optional block sizes / warps / stages of a config."""

@@ -66,12 +66,10 @@ JAXATTN_VARIANTS = [
     ("jaxattn_int8_half", "int8", {"pv_dtype": "fp16"}),
     ("jaxattn_fmha_int8", "fmha_int8", {}),
     ("jaxattn_fp8", "fp8", {}),
-    ("jaxattn_sage2-8b_bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
 ]
 # The quantized variants also timed kernel alone, on pre-quantized inputs.
 KERNEL_VARIANTS = [
     ("kernel_sage2-8b", "sage", {"preset": "sage2-8b"}),
-    ("kernel_sage2-8b_bk128", "sage", {"preset": "sage2-8b", "block_k": 128}),
     ("kernel_sage2-4b", "sage", {"preset": "sage2-4b"}),
     ("kernel_sage1", "sage", {"preset": "sage1"}),
     ("kernel_int8_full", "int8", {}),
@@ -241,9 +239,10 @@ def kernel_alone(causal, d):
   scale = 1.0 / math.sqrt(d)
   out = {}
   for name, method, opts in KERNEL_VARIANTS:
-    cfg = methods.get(method).config_cls.from_options(**opts)
     for suffix, impl in _backends(method):
       adapter = api.BACKENDS[impl].ADAPTERS[method]
+      cfg = api.backend_config(method, impl, methods.get(
+          method).config_cls.from_options(**opts), opts)
 
       def setup(q, k, v, cfg=cfg, adapter=adapter):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)

@@ -55,13 +55,18 @@ Quantisation granularity of Q and K (``qk_granularity``):
 SAGE_PRESETS (:data:`PRESETS`; ``method="sage"`` without options is
 ``"sage2-8b"``):
 
-============  =========  ===========  ========  ===============================
-preset        qk_dtype   granularity  pv_dtype  smoothing
-============  =========  ===========  ========  ===============================
-"sage2-8b"    int8       warp         fp8       Q, K and V
-"sage2-4b"    int4       warp         fp8       Q, K and V
-"sage1"       int8       block        fp16      K only
-============  =========  ===========  ========  ===============================
+============  =========  ===========  ========  ===============  =========
+preset        qk_dtype   granularity  pv_dtype  smoothing        block_k
+============  =========  ===========  ========  ===============  =========
+"sage2-8b"    int8       warp         fp8       Q, K and V       backend's
+"sage2-4b"    int4       warp         fp8       Q, K and V       backend's
+"sage1"       int8       block        fp16      K only           64
+============  =========  ===========  ========  ===============  =========
+
+``block_k`` left unset is 64, except where the call runs on the Mosaic
+(Hopper) kernel, which takes 128: SageAttention2's own kernels do the same
+(64-key blocks on sm80/sm89, 128 on sm90).  It is part of the numerics (the
+K scale groups and the online softmax's blocks), so pass it to pin it.
 
 Decisions beyond the paper:
 
@@ -118,7 +123,7 @@ PRESETS: dict[str, dict] = {
     "sage2-4b": dict(qk_dtype="int4", qk_granularity="warp", pv_dtype="fp8",
                      smooth_q=True, smooth_k=True, smooth_v=True),
     "sage1": dict(qk_dtype="int8", qk_granularity="block", pv_dtype="fp16",
-                  smooth_q=False, smooth_k=True, smooth_v=False),
+                  smooth_q=False, smooth_k=True, smooth_v=False, block_k=64),
 }
 SAGE_PRESETS = PRESETS  # alias, the name used in the docs
 
@@ -148,7 +153,7 @@ class SageConfig(base.MethodConfig):
     block_q: query rows per block (the Q mean and "block" scales); a power
       of two.
     block_k: keys per block of the online softmax and of the "warp"/"block"
-      K scales; a power of two.
+      K scales; a power of two (unset: 64, or 128 on the Mosaic kernel).
     warp_rows: query rows per "warp" scale; must divide ``block_q``.
   """
   preset: str | None = dataclasses.field(default=None, compare=False)
@@ -194,6 +199,12 @@ class SageConfig(base.MethodConfig):
       raise ValueError(f"unknown preset {preset!r}; valid presets: "
                        f"{sorted(PRESETS)}")
     return super().from_options(**{**PRESETS.get(preset, {}), **options})
+
+  @classmethod
+  def fixed_fields(cls, options) -> set[str]:
+    """The options given and those their preset sets."""
+    return (super().fixed_fields(options)
+            | set(PRESETS.get(options.get("preset"), {})))
 
   @property
   def bits(self) -> int:

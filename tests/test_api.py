@@ -437,6 +437,26 @@ def test_methods_with_kernels():
   assert set(jaxattn.api.BACKENDS["reference"].ADAPTERS) == set(METHODS)
 
 
+def test_backend_defaults_fill_only_unset_options():
+  """sage runs 128-key blocks on the Mosaic kernel (SageAttention2's sm90
+  block) unless the call or its preset sets block_k; other backends keep
+  the config's 64."""
+  def block_k(impl, **options):
+    config = methods.get("sage").config_cls.from_options(**options)
+    return api.backend_config("sage", impl, config, options).block_k
+  assert block_k("mosaic") == block_k("mosaic", preset="sage2-4b") == 128
+  assert block_k("mosaic", block_k=64) == 64
+  assert block_k("mosaic", preset="sage1") == 64   # SageAttention 1.0.6's
+  assert block_k("triton") == block_k("reference") == 64
+  assert block_k("triton", block_k=128) == 128
+  full = api.backend_config(
+      "sage", "mosaic", methods.get("sage").config_cls(), {})
+  assert full == methods.get("sage").config_cls(block_k=128)
+  # methods without defaults keep their config object
+  cfg = methods.get("int8").config_cls()
+  assert api.backend_config("int8", "mosaic", cfg, {}) is cfg
+
+
 def test_pallas_is_the_deprecated_name_of_triton():
   with pytest.warns(DeprecationWarning, match="'pallas' is now 'triton'"):
     old = jaxattn.dot_product_attention(_q, _k, _v, method="int8",

@@ -132,7 +132,8 @@ def check(c, strict=True):
   finite = np.isfinite(out).all() and np.isfinite(ref32).all()
   if backend != "reference" and finite:
     ref = np.asarray(jaxattn.dot_product_attention(
-        q, k, v, method=method, implementation="reference", **kw))
+        q, k, v, method=method, implementation="reference", **kw,
+        **api.backend_options(method, backend)))
     if np.abs(ref).max() > 0:
       err = metrics.relative_rmse(out, ref)
       errs["kernel"] = err

@@ -52,11 +52,13 @@ def test_mosaic_interpreted_matches_reference(method, opts):
   q = jax.random.normal(kq, (1, 150, 2, 64), jnp.float16)
   k = jax.random.normal(kk, (1, 200, 1, 64), jnp.float16) + 0.5
   v = jax.random.normal(kv, (1, 200, 1, 64), jnp.float16)
-  kw = dict(method=method, is_causal=causal, key_value_seq_lengths=[170],
-            **opts)
-  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
-  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
-                                      **kw)
+  kw = dict(method=method, is_causal=causal, key_value_seq_lengths=[170])
+  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw,
+                                      **opts)
+  # the options the Mosaic backend filled in (sage: 128-key blocks)
+  ref = jaxattn.dot_product_attention(
+      q, k, v, implementation="reference", **kw,
+      **api.backend_options(method, "mosaic", **opts))
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert bool(jnp.isfinite(out).all())
   eight_bit_p = (method == "fp8" or (method == "int8"
@@ -101,7 +103,7 @@ def test_mosaic_pads_head_dims_to_its_tiles(method, opts, d):
   k = jax.random.normal(kk, (1, 200, 1, d), jnp.float16) + 0.5
   v = jax.random.normal(kv, (1, 200, 1, d), jnp.float16)
   kw = dict(method=method, is_causal=True, key_value_seq_lengths=[170],
-            **opts)
+            **api.backend_options(method, "mosaic", **opts))
   assert api.resolve_implementation(q, k, v, implementation="mosaic",
                                     **kw) == "mosaic"
   out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
@@ -135,7 +137,8 @@ def test_mosaic_quantized_bfloat16_in_and_out():
   out = jaxattn.dot_product_attention(q, k, v, method="sage",
                                       implementation="mosaic")
   ref = jaxattn.dot_product_attention(q, k, v, method="sage",
-                                      implementation="reference")
+                                      implementation="reference",
+                                      **api.backend_options("sage", "mosaic"))
   assert out.dtype == jnp.bfloat16
   assert _rel(out, ref) < 5e-3  # bfloat16 output rounding: rel ~2e-3
 

@@ -76,6 +76,11 @@ class Adapter:
   and ``kernel(operands, kv_lens, bias, mask, *, is_causal, config,
   out_dtype)``, so that the benchmark can time the kernel alone.
 
+  ``defaults``: ``(option, value)`` pairs the backend runs the method
+  with where neither the call nor the method's preset sets the option
+  (:meth:`jaxattn.base.MethodConfig.fixed_fields`), e.g. the key block of
+  its tiles.
+
   ``run_lse``, where the kernel computes it, is ``run`` that also returns
   the float32 log-sum-exp ``[B, N, T]`` (natural log, ``-inf`` for a row
   that sees no key); without it the log-sum-exp comes from
@@ -89,9 +94,18 @@ class Adapter:
   run_lse: Callable[..., Any] | None = None
   index_mask: bool = False
   segment_scales: bool = False
+  defaults: tuple = ()
 
 
-def two_stage(prepare, kernel, check=_accepts) -> Adapter:
+def with_defaults(adapter: Adapter, config, options):
+  """``config`` with ``adapter.defaults`` in the fields ``options`` (the
+  call's, preset included) leave unset."""
+  fixed = type(config).fixed_fields(options)
+  changes = {k: v for k, v in adapter.defaults if k not in fixed}
+  return dataclasses.replace(config, **changes) if changes else config
+
+
+def two_stage(prepare, kernel, check=_accepts, defaults=()) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
   dtype with NaN in the rows a non-finite input reaches."""
@@ -115,7 +129,7 @@ def two_stage(prepare, kernel, check=_accepts) -> Adapter:
         ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
         is_causal=is_causal, q_shape=q.shape, index_mask=index_mask))
   return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
-                 confines_nonfinite=True, index_mask=True)
+                 confines_nonfinite=True, index_mask=True, defaults=defaults)
 
 
 def refuse_options(config, names, why: str) -> None:

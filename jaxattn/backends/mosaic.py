@@ -171,8 +171,10 @@ ADAPTERS = {
                     index_mask=True),
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
                     index_mask=True),
+    # 128-key blocks unless asked otherwise: SageAttention2's sm90 block,
+    # and faster here at the same error (docs/design.md)
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
-                      check=_check_sage),
+                      check=_check_sage, defaults=(("block_k", 128),)),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
                       check=_check_common),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
