@@ -164,6 +164,16 @@ def fmha_quantize_output(o, *, config: FmhaConfig):
   return quant.quantize_int(o, quant.reciprocal(sc)), sc
 
 
+def method_output(o, *, config: FmhaConfig):
+  """The method's result from the float output ``o`` before output
+  quantization: ``(O_i8, o_scale)`` with ``return_int8``, else ``O_i8 *
+  o_scale`` in float32 (what every backend returns)."""
+  o_i8, o_scale = fmha_quantize_output(o, config=config)
+  if config.return_int8:
+    return o_i8, o_scale
+  return o_i8.astype(jnp.float32) * o_scale
+
+
 def uint8_matmul_by_identity(p_u8, v_i8):
   """Exact ``(P_u8 V_i8)_int32`` with int8 operands only:
   ``(P_u8 - 128) V + 128 colsum(V)``, ``P_u8 - 128`` in ``[-128, 127]``."""
@@ -234,12 +244,9 @@ def reference(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config):
   shared = {f"{n}_scale": qz[f"{n}_scale"] for n in ("q", "k", "v")}
   o = _heads(qz["q"], qz["k"], qz["v"], bias, mask, kv_lens, shared=shared,
              scale=scale, is_causal=is_causal, config=config)
-  o_i8, o_scale = fmha_quantize_output(o, config=config)
-  if config.return_int8:
-    return o_i8, o_scale
-  return o_i8.astype(jnp.float32) * o_scale
+  return method_output(o, config=config)
 
 
 __all__ = ["FmhaConfig", "normalize_amax", "fmha_amax", "fmha_quantize",
-           "fmha_quantize_output", "uint8_matmul_by_identity", "fmha_head",
-           "reference"]
+           "fmha_quantize_output", "method_output",
+           "uint8_matmul_by_identity", "fmha_head", "reference"]

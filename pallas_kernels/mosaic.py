@@ -30,6 +30,13 @@ Operand types (static ``qk`` / ``pv``):
 * ``pv="int8"``: ``P = floor(127 p + 1/2)`` in int8, V int8 ``[D, S]``, s32
   accumulation per block (INT-FlashAttention); the row sum is that of the
   quantized P.
+* ``pv="uint8"`` (the 8-bit FMHA): P anchored at the block's own row max
+  ``m_t``, ``P = floor(255 exp2(S - m_t) + 1/2)`` in ``[0, 255]``, fed to
+  the s8 wgmma as ``P - 128`` (Hopper's wgmma takes no u8 A operand from
+  registers) with the exact identity ``P V = (P - 128) V + 128 colsum(V)``
+  (the column sums of each V block given); the state is then
+  ``O = e^{m - m'} O + e^{m_t - m'} P V``, ``l = e^{m - m'} l + e^{m_t -
+  m'} rowsum exp2(S - m_t)`` (unquantized row sums, as the method).
 
 ``pasa_inva`` (PASA): Q and the shifted keys in float16, the softmax of
 Algorithm 1 (steps 1-6) with the online pseudo-average: ``S'`` and ``P`` in
@@ -80,7 +87,7 @@ from pallas_kernels.quantizers import key_order
 
 LOG2_FP8_MAX = math.log2(FP8_MAX)
 QK_TYPES = ("fp16", "int8", "fp8")
-PV_TYPES = ("fp16", "fp8", "int8")
+PV_TYPES = ("fp16", "fp8", "int8", "uint8")
 # The head dims of the kernel's tiles; smaller ones are zero-padded to the
 # next (256 would not fit the shared-memory ring).
 HEAD_DIMS = (64, 128)
@@ -217,6 +224,42 @@ def _pasa_update(state, rows, pv_blk, *, inva, exp_factor, weight):
           (keep(f_new, f), keep(jn, count)))
 
 
+def _block_anchored_p(s, c, m, l, *, masked, exact_exponent):
+  """uint8 P of one block (the 8-bit FMHA): ``P = floor(255 exp2(S - m_t)
+  + 1/2)`` against the block's own row max ``m_t``, returned as the s8
+  operand ``P - 128``, with the state's new ``(m', l', e^{m - m'},
+  e^{m_t - m'})``.  ``s``: the masked scores ``[bq, bk]``; ``c``: the
+  factor to base 2 (a row, or a float); ``m``, ``l``: the running max (in
+  the units of ``s`` with ``exact_exponent``, else times ``c``) and sum.
+  A row that sees nothing of the block gets ``e^{m_t - m'} = 0``."""
+  rows = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+  finite = ((lambda x: jnp.where(x == -jnp.inf, 0.0, x)) if masked
+            else (lambda x: x))
+
+  def times_c(x):
+    if isinstance(c, float):
+      return x if c == 1.0 else x * c
+    return x * (rows(c) if x.ndim == 2 else c)
+
+  if exact_exponent:   # s - m_t exact near the max, then the factor
+    s = lax.optimization_barrier(s)
+    m_t = s.max(axis=1)
+    e = jnp.exp2(times_c(s - rows(finite(m_t))))
+    to_base2 = times_c
+  else:                # one FMA per score; m, m_t already times c
+    m_t = s.max(axis=1)
+    m_t = times_c(m_t)
+    e = jnp.exp2(times_c(s) - rows(finite(m_t)))
+    to_base2 = lambda x: x
+  m_new = jnp.maximum(m, m_t)
+  m_ref = finite(m_new)
+  a_prev = jnp.exp2(to_base2(m - m_ref))
+  a_cur = jnp.exp2(to_base2(m_t - m_ref))
+  p_int = (e * 255.0 + 0.5).astype(jnp.int32)   # floor: e >= 0
+  return (p_int - 128).astype(jnp.int8), (
+      m_new, a_prev * l + a_cur * e.sum(axis=1), a_prev, a_cur)
+
+
 def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
   """The natural-log log-sum-exp of each row's scaled scores from the online
   softmax's state: the running max ``m`` (base 2 where ``m_scaled``, else
@@ -237,8 +280,8 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
             pasa_exp_scale, has_shifted, has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
-            has_epilogue, p_in_smem, fused_pv, out_dtype, exact_exponent,
-            return_lse):
+            has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
+            exact_exponent, return_lse):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
@@ -247,7 +290,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
-  optional PASA block weights ``[B, K, nb]`` float32; optional out_scale,
+  optional PASA block weights ``[B, K, nb]`` float32; optional V column
+  sums ``[B, K, nb, D]`` int32 (``pv="uint8"``); optional out_scale,
   out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
   with ``return_lse`` lse ``[B, N, T]`` float32.
   ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
@@ -259,11 +303,12 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   qbias_ref = refs.pop(0) if has_qbias else None
   vbs_ref = refs.pop(0) if has_vbs else None
   shifted_ref = refs.pop(0) if has_shifted else None
+  colsum_ref = refs.pop(0) if has_colsum else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
   out_ref, lse_ref = refs if return_lse else (*refs, None)
   bq, bk = block_q, block_k
   head_dim = q_ref.shape[-1]
-  eight_bit_pv = pv in ("fp8", "int8")
+  eight_bit_pv = pv in ("fp8", "int8", "uint8")
   f32, f16 = jnp.float32, jnp.float16
 
   def body(scratch, barriers):
@@ -334,7 +379,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       else:
         exp_factor = 1.0 if has_qk_scales else c_scale
       acc_type = jnp.int32 if qk == "int8" else f32
-      pv_type = jnp.int32 if pv == "int8" else f32
+      pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
       plgpu.barrier_wait(q_bars.at[wg])
 
       def scores(s, j, masked):
@@ -382,8 +427,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
 
       def softmax(s, c, visible, m_i, l_i):
         """The online softmax of one block: P (the PV operand's dtype),
-        the new row max and sum, and the factor ``alpha`` of the old ones
-        (PASA: P and the block's rows for :func:`_pasa_update`)."""
+        the new row max and sum, the factor ``alpha`` of the old ones, and
+        the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
+        factor ``e^{m_t - m'}`` of its product)."""
         if pasa:
           p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
                                       state_dtype=stat,
@@ -391,6 +437,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           return p, (m_i, l_i, None, pasa_rows)
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
+        if pv == "uint8":
+          return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
+                                   exact_exponent=exact_exponent)
 
         def finite(m_new):
           """The max the exponents subtract: 0 for a row that has seen no
@@ -454,15 +503,22 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
 
-      def add_block(state, pv_blk, j, alpha, pasa_rows):
+      def add_block(state, pv_blk, j, alpha, block_rows):
         """The state ``(O, m, l, PASA's F)`` after block j's per-block
         ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
+        if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
+          colsum = plgpu.load(colsum_ref.at[batch, kv_head, j],
+                              layout=col_layout, optimized=False)
+          pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
+                                                 [1])
+          pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
+              block_rows, pv_blk.shape, [0])
         pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
         if pasa:
           weight = shifted_ref[batch, kv_head, j] if has_shifted else None
-          return _pasa_update(state, pasa_rows, pv_blk, inva=c_scale,
+          return _pasa_update(state, block_rows, pv_blk, inva=c_scale,
                               exp_factor=LOG2E * pasa_exp_scale,
                               weight=weight)
         acc, *rest = state
@@ -479,8 +535,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           return acc_ref[...]
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         s, c, visible = scores(s, j, masked)
-        p_op, (m_new, l_new, alpha, pasa_rows) = softmax(s, c, visible,
-                                                         m_i, l_i)
+        p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
+                                                          m_i, l_i)
         if fused_pv:   # (else one FMA in add_block)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_arrive(schedule)
@@ -505,7 +561,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             return pv_ref[...]
           pv_blk = pl.run_scoped(pv_scope, plgpu.ACC((bq, head_dim), pv_type))
           acc, m_new, l_new, pasa_state = add_block(
-              (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, pasa_rows)
+              (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_new, pasa_state
 
@@ -606,7 +662,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
 
   q_dtype, k_dtype, v_dtype = q_ref.dtype, k_ref.dtype, v_ref.dtype
   v_tile = (head_dim, bk) if eight_bit_pv else (bk, head_dim)
-  p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8}.get(pv, v_dtype)
+  p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8,
+             "uint8": jnp.int8}.get(pv, v_dtype)
   scratch = [
       _smem((2, bq, head_dim), q_dtype),
       _smem((2, bq, head_dim), out_dtype) if out_dtype != q_dtype else None,
@@ -633,7 +690,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
 
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None, q_block_bias=None,
-                     bias_rows=None, v_block_scale=None, out_scale=None,
+                     bias_rows=None, v_block_scale=None, v_colsum=None,
+                     out_scale=None,
                      out_shift=None, pasa_inva=None,
                      pasa_state_dtype=jnp.float16, pasa_exp_scale=1.0,
                      pasa_shifted=None, v_keys_ordered=False,
@@ -645,13 +703,15 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (float16/bfloat16 for
       ``qk="fp16"``, int8 or float8_e4m3fn otherwise); v: ``[B, S, K, D]``
       float16/bfloat16 (``pv="fp16"``) or ``[B, K, D, S]`` float8_e4m3fn /
-      int8 (``pv="fp8"`` / ``"int8"``); kv_lens int32 ``[B]``.
+      int8 (``pv="fp8"`` / ``"int8"``, ``"uint8"``); kv_lens int32 ``[B]``.
     scale: the softmax scale (``qk="fp16"``); q_scale ``[B, T, N]`` (times
       ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK.
     q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
       score bias shared by each block of ``bias_rows`` query rows (a multiple
       of ``block_q``), or None.
     v_block_scale: float32 ``[B, K, S / block_k]`` or None.
+    v_colsum: int32 ``[B, K, ceil(S / block_k), D]``, the column sums of
+      each int8 V block (``pv="uint8"`` only, which needs them).
     out_scale, out_shift: float32 ``[B, K, D]`` or None.
     pasa_inva: PASA's ``fl16(beta / (1 - beta))``: k then holds the shifted,
       scaled float16 keys (PASA's per-block shift, done by the caller) and
@@ -726,11 +786,17 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                     -(-t_pad // bias_rows)))
   if v_block_scale is not None:
     args.append(pad(v_block_scale.astype(jnp.float32), 2, s_pad // bk))
+  if (v_colsum is not None) != (pv == "uint8"):
+    raise ValueError("pv='uint8' takes the V column sums (v_colsum), and "
+                     "only it")
   if pasa_shifted is not None:
     if pasa_shifted.shape != (b, nk, s_pad // bk):
       raise ValueError(f"pasa_shifted must be [B, K, S_pad / block_k] = "
                        f"{(b, nk, s_pad // bk)}, got {pasa_shifted.shape}")
     args.append(pasa_shifted.astype(jnp.float32))
+  if v_colsum is not None:
+    args.append(pad(pad(v_colsum.astype(jnp.int32), 2, s_pad // bk), 3,
+                    d_tile))
   has_epilogue = out_scale is not None
   if has_epilogue:
     args += [pad(x.astype(jnp.float32), 2, d_tile)
@@ -747,9 +813,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
       pasa_exp_scale=float(pasa_exp_scale),
-      has_shifted=pasa_shifted is not None, has_segments=bool(segments), has_qk_scales=has_qk_scales,
+      has_shifted=pasa_shifted is not None, has_segments=bool(segments),
+      has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
-      has_vbs=v_block_scale is not None,
+      has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,
       fused_pv=pv == "fp16" and not p_in_smem and not pasa,
       out_dtype=out_dtype, exact_exponent=exact_exponent,

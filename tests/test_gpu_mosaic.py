@@ -27,7 +27,12 @@ VARIANTS = [
     # emulate; the resulting flips of the e4m3 rounding of P measured 5.1e-3
     # at D=128, S=2048 and 8e-6 at D=64 on an H100.
     ("fp8", {}, 1e-2),
+    ("fp8", {"granularity": "block"}, 1e-2),
     ("pasa", {}, 1e-2),   # float16 softmax: the Triton kernel's bound
+    # int8 output (dynamic amax): a float32 output moved by accumulation
+    # order rounds to the neighbouring int8 step here and there (one step
+    # is 1/127 of the largest output)
+    ("fmha_int8", {}, 1e-2),
 ]
 # (batch, q_len, kv_len, heads, kv heads, head dim, causal, padded)
 CASES = [(1, 2048, 2048, 8, 8, 128, False, False),

@@ -68,6 +68,39 @@ def test_mosaic_interpreted_matches_reference(method, opts):
   assert _rel(out, ref) < tol, (seed, _rel(out, ref))
 
 
+def test_mosaic_fmha_int8_matches_reference_and_triton():
+  """The 8-bit FMHA on the Hopper kernel (uint8 P against each block's own
+  row max, ``(P - 128) V + 128 colsum(V)``): its int8 output within one
+  step of the reference's and the Triton kernel's (rounding the same
+  float32 value after a different accumulation order), causal with GQA,
+  padded keys and static amax; then dynamic amax on scores large enough
+  for the exact exponent (|s| up to ~1e4 in base 2)."""
+  kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(kq, (1, 150, 2, 64), jnp.float16)
+  k = jax.random.normal(kk, (1, 200, 1, 64), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (1, 200, 1, 64), jnp.float16)
+  kw = dict(is_causal=True, key_value_seq_lengths=[170], return_int8=True,
+            amax={"q": 4.0, "k": 4.5, "v": 4.0, "o": 1.5})
+  o8, sc = jaxattn.fmha_int8(q, k, v, implementation="mosaic", **kw)
+  assert o8.dtype == jnp.int8
+  for impl in ("reference", "triton"):
+    r8, rsc = jaxattn.fmha_int8(q, k, v, implementation=impl, **kw)
+    assert float(sc) == float(rsc)
+    diff = np.abs(np.asarray(o8, np.int32) - np.asarray(r8, np.int32))
+    assert diff.max() <= 1 and diff.mean() < 0.01, (impl, diff.mean())
+  from jaxattn import fmha, operands
+  from pallas_kernels import mosaic
+  big = (q * 12.0, k * 12.0)   # the adapter's score bound passes 2^12
+  ops, _ = operands.fmha_operands(*big, v, jnp.array([200]), scale=0.125,
+                                  config=fmha.FmhaConfig(), block_k=128)
+  assert float(ops.q_scale[0, 0, 0]) * 127 ** 2 * 64 > (
+      mosaic.FUSED_EXPONENT_LIMIT)
+  out = jaxattn.fmha_int8(*big, v, implementation="mosaic")
+  ref = jaxattn.fmha_int8(*big, v, implementation="reference")
+  assert bool(jnp.isfinite(out).all())
+  assert _rel(out, ref) < 5e-3, _rel(out, ref)
+
+
 @pytest.mark.parametrize("case", [(False, 150, 200, 170, 64, 128),
                                   (True, 150, 200, 200, 64, 64),
                                   (True, 256, 256, 256, 128, 128)], ids=str)

@@ -10,6 +10,8 @@ method     kernel flags            operands
 "sage"     ``qk="int8"``, ``pv``   :func:`jaxattn.operands.quantized_operands`
 "int8"     ``qk="int8"``, ``pv``   same
 "fp8"      ``qk = pv = "fp8"``     same
+fmha_int8  ``qk="int8"``,          :func:`jaxattn.operands.fmha_operands`,
+           ``pv="uint8"``          float32 output, then the output's int8
 =========  ======================  ========================================
 
 The kernel takes head dims up to 128 (others than 64 and 128 zero-padded
@@ -23,7 +25,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import base, nonfinite, operands
+from jaxattn import base, fmha, nonfinite, operands
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -165,6 +167,27 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       ops.score_bound)
 
 
+def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+          index_mask=None):
+  """The uint8-P kernel (float32 output times ``v_scale / 255`` in its
+  epilogue), then the method's output quantization."""
+  del bias, mask
+  ops, v_scale = operands.fmha_operands(q, k, v, kv_lens, scale=scale,
+                                        config=config, block_k=config.block_k)
+  b, nk, d = k.shape[0], k.shape[2], v.shape[-1]
+  out_scale = jnp.broadcast_to(v_scale / 255.0, (b, nk, d))
+  # |S_i32| <= 127^2 D, times the one factor of the scores
+  bound = jnp.abs(ops.q_scale[0, 0, 0]) * (127.0 ** 2 * q.shape[-1])
+  o = _exact_when_needed(functools.partial(
+      mosaic.mosaic_attention, ops.q, ops.k, ops.v, kv_lens, qk="int8",
+      pv="uint8", is_causal=is_causal,
+      params=mosaic.MosaicParams(block_k=config.block_k),
+      q_scale=ops.q_scale, k_scale=ops.k_scale, v_colsum=ops.v_colsum,
+      out_scale=out_scale, out_shift=jnp.zeros_like(out_scale),
+      out_dtype=jnp.float32, index_mask=index_mask), bound)
+  return fmha.method_output(o, config=config)
+
+
 ADAPTERS = {
     "fp32": Adapter(run=_fp32, check=_check_fp32,
                     run_lse=functools.partial(_fp32, return_lse=True),
@@ -179,4 +202,5 @@ ADAPTERS = {
                       check=_check_common),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
                      check=_check_fp8),
+    "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True),
 }

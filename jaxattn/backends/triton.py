@@ -133,11 +133,7 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
                                         config=config, block_k=config.block_k)
   o = _kernel(ops, kv_lens, bias, mask, is_causal=is_causal, config=config,
               out_dtype=jnp.float32, index_mask=index_mask)
-  o_i8, o_scale = fmha.fmha_quantize_output(o * (v_scale / 255.0),
-                                            config=config)
-  if config.return_int8:
-    return o_i8, o_scale
-  return o_i8.astype(jnp.float32) * o_scale
+  return fmha.method_output(o * (v_scale / 255.0), config=config)
 
 
 ADAPTERS = {
