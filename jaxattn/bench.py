@@ -66,6 +66,7 @@ JAXATTN_VARIANTS = [
     ("jaxattn_int8_half", "int8", {"pv_dtype": "fp16"}),
     ("jaxattn_fmha_int8", "fmha_int8", {}),
     ("jaxattn_fp8", "fp8", {}),
+    ("jaxattn_fp8_block", "fp8", {"granularity": "block"}),
 ]
 # The quantized variants also timed kernel alone, on pre-quantized inputs.
 KERNEL_VARIANTS = [
@@ -75,6 +76,7 @@ KERNEL_VARIANTS = [
     ("kernel_int8_full", "int8", {}),
     ("kernel_int8_half", "int8", {"pv_dtype": "fp16"}),
     ("kernel_fp8", "fp8", {}),
+    ("kernel_fp8_block", "fp8", {"granularity": "block"}),
 ]
 
 
@@ -208,6 +210,8 @@ PREP_VARIANTS = [  # (name, method, options)
     ("prep_sage2-8b", "sage", {"preset": "sage2-8b"}),
     ("prep_int8_full", "int8", {}),
     ("prep_fp8", "fp8", {}),
+    ("prep_fp8_block", "fp8", {"granularity": "block"}),
+    ("prep_int8_full_vblock", "int8", {"v_granularity": "block"}),
 ]
 
 
