@@ -437,7 +437,11 @@ def backend_config(method: str, implementation: str, config, options):
   """``config`` with the backend's preferred values of the options the call
   (and the method's preset) left unset (:attr:`backends.Adapter.
   defaults`: e.g. sage's ``block_k=128`` on the Mosaic kernel)."""
-  adapter = BACKENDS[implementation].ADAPTERS.get(method)
+  name = implementation_name(implementation)
+  if name is None:
+    raise ValueError("backend_config needs a backend name (see "
+                     "resolve_implementation), got None")
+  adapter = BACKENDS[name].ADAPTERS.get(method)
   return config if adapter is None else with_defaults(adapter, config,
                                                       options)
 

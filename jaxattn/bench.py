@@ -220,7 +220,10 @@ def quantizers_alone(d):
   scale = 1.0 / math.sqrt(d)
   out = {}
   for name, method, opts in PREP_VARIANTS:
-    cfg = methods.get(method).config_cls.from_options(**opts)
+    # the options of the backend the default path takes here
+    impl = (_backends(method) or [("", "reference")])[-1][1]
+    cfg = api.backend_config(method, impl, methods.get(
+        method).config_cls.from_options(**opts), opts)
     fns = {name: lambda q, k, v, lens, method=method, cfg=cfg: (
         operands.quantized_operands(method, q, k, v, lens, scale=scale,
                                     config=cfg))}

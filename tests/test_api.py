@@ -452,6 +452,10 @@ def test_backend_defaults_fill_only_unset_options():
   full = api.backend_config(
       "sage", "mosaic", methods.get("sage").config_cls(), {})
   assert full == methods.get("sage").config_cls(block_k=128)
+  with pytest.warns(DeprecationWarning):   # the deprecated name resolves
+    assert block_k("pallas") == 64
+  with pytest.raises(ValueError, match="backend name"):
+    block_k(None)
   # methods without defaults keep their config object
   cfg = methods.get("int8").config_cls()
   assert api.backend_config("int8", "mosaic", cfg, {}) is cfg
