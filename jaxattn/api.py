@@ -446,13 +446,19 @@ def backend_config(method: str, implementation: str, config, options):
                                                       options)
 
 
+def config_for(method: str, implementation: str, **options):
+  """The config ``implementation`` runs ``method`` with for ``options``
+  (:func:`backend_config` of the options' config)."""
+  config = methods.get(method).config_cls.from_options(**options)
+  return backend_config(method, implementation, config, options)
+
+
 def backend_options(method: str, implementation: str, **options) -> dict:
   """``options`` plus the values ``implementation`` fills into the ones
   left unset (:func:`backend_config`): pass them to another implementation
   (e.g. ``"reference"``) to reproduce this one's numerics."""
-  cls = methods.get(method).config_cls
-  plain = cls.from_options(**options)
-  config = backend_config(method, implementation, plain, options)
+  plain = methods.get(method).config_cls.from_options(**options)
+  config = config_for(method, implementation, **options)
   return {**options, **{f.name: getattr(config, f.name)
                         for f in dataclasses.fields(config)
                         if getattr(config, f.name) != getattr(plain, f.name)}}

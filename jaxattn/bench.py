@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import api, data, methods, metrics, operands, pasa
+from jaxattn import api, data, metrics, operands, pasa
 from jaxattn.report import Progress, new_figure, require_matplotlib
 from jaxattn.tuning import time_call
 from pallas_kernels import common
@@ -222,8 +222,7 @@ def quantizers_alone(d):
   for name, method, opts in PREP_VARIANTS:
     # the options of the backend the default path takes here
     impl = (_backends(method) or [("", "reference")])[-1][1]
-    cfg = api.backend_config(method, impl, methods.get(
-        method).config_cls.from_options(**opts), opts)
+    cfg = api.config_for(method, impl, **opts)
     fns = {name: lambda q, k, v, lens, method=method, cfg=cfg: (
         operands.quantized_operands(method, q, k, v, lens, scale=scale,
                                     config=cfg))}
@@ -248,8 +247,7 @@ def kernel_alone(causal, d):
   for name, method, opts in KERNEL_VARIANTS:
     for suffix, impl in _backends(method):
       adapter = api.BACKENDS[impl].ADAPTERS[method]
-      cfg = api.backend_config(method, impl, methods.get(
-          method).config_cls.from_options(**opts), opts)
+      cfg = api.config_for(method, impl, **opts)
 
       def setup(q, k, v, cfg=cfg, adapter=adapter):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)

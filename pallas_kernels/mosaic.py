@@ -247,8 +247,7 @@ def _block_anchored_p(s, c, m, l, *, masked, exact_exponent):
     e = jnp.exp2(times_c(s - rows(finite(m_t))))
     to_base2 = times_c
   else:                # one FMA per score; m, m_t already times c
-    m_t = s.max(axis=1)
-    m_t = times_c(m_t)
+    m_t = times_c(s.max(axis=1))
     e = jnp.exp2(times_c(s) - rows(finite(m_t)))
     to_base2 = lambda x: x
   m_new = jnp.maximum(m, m_t)
@@ -513,7 +512,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
                                                  [1])
           pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
               block_rows, pv_blk.shape, [0])
-        pv_blk = pv_blk.astype(f32)
+        else:
+          pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
         if pasa:
