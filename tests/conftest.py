@@ -16,6 +16,46 @@ os.environ.setdefault("PJRT_NPROC", "16")
 import pytest  # noqa: E402
 
 
+def _memory_maps() -> int | None:
+  """The number of this process's memory mappings (None off Linux)."""
+  try:
+    with open("/proc/self/maps", "rb") as f:
+      return sum(1 for _ in f)
+  except OSError:
+    return None
+
+
+def _max_memory_maps() -> int:
+  try:
+    with open("/proc/sys/vm/max_map_count") as f:
+      return int(f.read())
+  except (OSError, ValueError):
+    return 65530
+
+
+@pytest.fixture(autouse=True)
+def _release_compiled_code():
+  """Drops jax's compiled executables when this process's memory
+  mappings pass half of ``vm.max_map_count``.
+
+  Every executable XLA's CPU backend compiles holds about three mappings
+  of its JIT code until jax's caches let it go, and an xdist worker of
+  the suite compiles tens of thousands (the interpret-mode kernels).  At
+  the limit (65530) the next compile's mmap fails and the worker died
+  with SIGSEGV while unwinding the compile error (a core at 65503
+  mappings; the crashed test varied with the order).
+  ``jax.clear_caches`` frees them (300 compiles: 428 -> 1402 -> 500
+  mappings)."""
+  yield
+  maps = _memory_maps()
+  if maps is not None and maps > _max_memory_maps() // 2:
+    import gc
+
+    import jax
+    jax.clear_caches()
+    gc.collect()
+
+
 @functools.cache
 def _has_gpu() -> bool:
   import jax
