@@ -3,7 +3,8 @@
 Run from the repository root on a machine with 2 GPUs (jax[cuda] 0.11.2+):
 
     NCCL_NVLS_ENABLE=0 OUT=/tmp/out python benchmarks/sharding.py
-    # --quick: small timing shapes; --cpu-smoke: tiny checks, no timings
+    # --quick: small timing shapes; --cpu-smoke: tiny checks, no timings;
+    # --timings: sections 2 and 3 only
     # (XLA_FLAGS=--xla_force_host_platform_device_count=2 on a CPU)
 
 1. Shard-local checks, implementation=None, methods fp32, sage, fp8, pasa,
@@ -45,6 +46,7 @@ from jaxattn import ring  # noqa: E402
 
 QUICK = "--quick" in sys.argv
 SMOKE = "--cpu-smoke" in sys.argv   # tiny checks only (CPU, 2 virtual devices)
+TIMINGS_ONLY = "--timings" in sys.argv
 CHECK_S = 256 if SMOKE else 2048
 METHODS = ("fp32", "sage", "fp8", "pasa", "int8")
 OUT = os.environ.get("OUT", ".")
@@ -81,6 +83,14 @@ def case(section, name, fn):
     row = {"case": name, "error": f"{type(e).__name__}: {str(e)[:500]}"}
   log("   ", row)
   RESULTS[section].append(row)
+  save()
+
+
+def save():
+  """The JSON so far (a run cut short by a time limit keeps its cases)."""
+  os.makedirs(OUT, exist_ok=True)
+  with open(os.path.join(OUT, "sharding.json"), "w") as f:
+    json.dump(RESULTS, f, indent=1)
 
 
 def inputs(b, s, n, k, d=128, dtype=jnp.float16, seed=0, key_bias=0.0):
@@ -213,12 +223,12 @@ def main():
   log("jax", jax.__version__, jax.devices())
   if jax.device_count() < 2:
     log("needs 2 devices")
-  for method in METHODS:
+  for method in () if TIMINGS_ONLY else METHODS:
     for spec, causal in ((P("x"), True), (P(None, None, "x"), False)):
       case("checks", f"{method} {spec} causal={causal}",
            lambda: check_sharded(method, spec, causal,
                                  with_grad=method in ("fp32", "sage")))
-  for method in METHODS:
+  for method in () if TIMINGS_ONLY else METHODS:
     for causal in (False, True):
       case("checks", f"ring {method} causal={causal}",
            lambda: check_ring(method, causal))
@@ -231,9 +241,7 @@ def main():
       case("ring", f"{method} causal={causal}",
            lambda: ring_timing(method, causal))
 
-  os.makedirs(OUT, exist_ok=True)
-  with open(os.path.join(OUT, "sharding.json"), "w") as f:
-    json.dump(RESULTS, f, indent=1)
+  save()
 
   log("\n=== shard-local checks (all-gathers must be 0) ===")
   for r in RESULTS["checks"]:
