@@ -247,10 +247,14 @@ def _dense(mask, kv_lens, index_mask, *, n, t, s, is_causal):
 
 
 def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
-             implementation, scale, is_causal, config, with_lse):
+             implementation, scale, is_causal, config, with_lse,
+             output_lse=False):
   """The method's output in the query dtype, and with ``with_lse`` the
   float32 log-sum-exp ``[B, T, N]`` (:mod:`jaxattn.grad`: the kernel's own
-  where it has one, else that of the float32 scores)."""
+  where it has one, else that of the float32 scores).  ``output_lse``:
+  the normalizer of the returned output where the kernel has it
+  (``Adapter.run_output_lse``: the quantized scores'), for merging
+  partial outputs; no gradient takes that one."""
   backend = BACKENDS[implementation]
   adapter = backend.ADAPTERS[method]
   static = dict(scale=scale, is_causal=is_causal, config=config)
@@ -263,8 +267,11 @@ def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
     static["is_causal"] = False
   if index_mask is not None:
     static["index_mask"] = index_mask
-  if with_lse and adapter.run_lse is not None:
-    out, lse = adapter.run_lse(q, k, v, bias, mask, kv_lens, **static)
+  run_lse = adapter.run_lse
+  if output_lse and adapter.run_output_lse is not None:
+    run_lse = adapter.run_output_lse
+  if with_lse and run_lse is not None:
+    out, lse = run_lse(q, k, v, bias, mask, kv_lens, **static)
     return out.astype(q.dtype), grad.as_residual(lse.transpose(0, 2, 1))
   run = adapter.run
   if methods.get(method).confine_nonfinite and not adapter.confines_nonfinite:

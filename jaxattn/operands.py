@@ -57,6 +57,10 @@ class QuantizedOperands:
     out_row_scale: float32 ``[B, T, N]``, a factor of each output row
       applied after the kernel (the V scale of the row's packed document),
       or None.
+    k_shift: float32 ``[B, K, D]``, the key mean the quantized keys are
+      shifted by (SageAttention's ``smooth_k``): each row's scores lie
+      ``scale q . k_shift`` below the method's, which the kernel's
+      log-sum-exp adds back; None: no shift.
     score_bound: float32 scalar, at least ``max |S|`` of the base-2 scores
       ``S q_scale k_scale (+ q_block_bias)``, from the scales (None: not
       known).
@@ -79,6 +83,7 @@ class QuantizedOperands:
   out_scale: jax.Array | None = None
   out_shift: jax.Array | None = None
   out_row_scale: jax.Array | None = None
+  k_shift: jax.Array | None = None
   score_bound: jax.Array | None = None
   q_nonfinite: jax.Array | None = None
   kv_nonfinite: jax.Array | None = None
@@ -234,7 +239,8 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
   its per-head layouts, the float32 smoothed-key copy or the transposes.
 
   Returns ``q`` int8 ``[B, T, N, D]``, ``q_scale_folded`` ``[B, T, N]``,
-  ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``v``
+  ``k`` int8 ``[B, S, K, D]``, ``k_scale`` ``[B, S, K]``, ``k_mean``
+  ``[B, K, D]`` (zeros without ``smooth_k``), ``v``
   (float8_e4m3fn or float16 ``[B, S, K, D]``), ``v_scale`` (fp8) and
   ``v_mean`` ``[B, K, D]``, and ``smooth_bias`` ``[B, N, nqb, S]`` (base e,
   ``q_m K_smoothed^T``) when ``smooth_q``.  ``v_values=False`` leaves out
@@ -255,6 +261,7 @@ def sage_inputs(q, k, v, kv_lens, *, scale: float, config,
   k_scale = _group_scales(ks, sage.k_group_rows(config, s), bits)
   out["k"] = quant.quantize_int(ks, quant.reciprocal(k_scale)[..., None], bits)
   out["k_scale"] = k_scale
+  out["k_mean"] = k_mean
   out.update(sage_v_stats(v, kv_lens, config))
   if config.pv_dtype == "fp8" and v_values:
     vs = jnp.where(valid, v.astype(f32) - out["v_mean"][:, None], 0.0)
@@ -298,7 +305,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
   ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,
   quantized as 0), and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
-  None.
+  None and ``k_mean`` ``[B, K, D]`` (zeros without ``smooth_k``).
   """
   b, t, n, d = q.shape
   s, nk = k.shape[1], k.shape[2]
@@ -359,7 +366,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
                   * jnp.abs(k_scale).max())
   return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
               q_block_bias=bias, bias_bound=bias_bound, q_bad=q_bad,
-              k_bad=k_bad)
+              k_bad=k_bad, k_mean=k_mean)
 
 
 def sage_v_stats(v, kv_lens, config) -> dict:
@@ -477,6 +484,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
                       if config.smooth_q else None)
     else:
       z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
+               k_mean=fused["k_mean"],
                q_scale_folded=fused["q_scale"] * sage.log2_scale(scale),
                **sage_v_stats(fin(v), kv_lens, config))
       q_block_bias = fused["q_block_bias"]
@@ -496,6 +504,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         out_scale=(z["v_scale"] / quant.FP8_MAX if fp8_pv
                    else jnp.ones(kv_shape, jnp.float32)),
         out_shift=z["v_mean"], qk=qk, pv=config.pv_dtype,
+        k_shift=z["k_mean"] if config.smooth_k else None,
         bias_rows=config.block_q if config.smooth_q else None,
         v_keys_ordered=v_key_order and fp8_pv)
   if method == "int8":

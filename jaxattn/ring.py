@@ -79,10 +79,13 @@ class Step:
     if impl is None:
       impl = self.resolve(q, k, v, is_causal=is_causal, method=self.method,
                           **_options(config))
+    # the kernel's own log-sum-exp where it has one: the normalizer of the
+    # output it returns, what the merge needs (the float scores' would
+    # cost a second attention pass per step)
     return self.forward(q, k, v, None, None, kv_lens, None,
                         method=self.method, implementation=impl,
                         scale=self.scale, is_causal=is_causal,
-                        config=config, with_lse=True)
+                        config=config, with_lse=True, output_lse=True)
 
 
 def _options(config) -> dict:

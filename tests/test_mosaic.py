@@ -461,3 +461,71 @@ def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
   tol = TOL if method == "fp32" else TOL_8BIT_P
   err = _rel(out[~blind], np.asarray(ref)[~blind])
   assert err < tol, err
+
+
+def test_mosaic_output_lse_is_the_kernels_own():
+  """``output_lse`` (what the ring's merge takes) is the quantized kernel's
+  log-sum-exp, with the score shift of SageAttention's key smoothing added
+  back: it equals the float scores' log-sum-exp up to the 8-bit P's sum
+  (e4m3 P, ~1%) and the int8 scores' error, while the key mean it restores
+  is worth several units here (keys with a per-channel bias).  The output
+  is the call's own."""
+  from jaxattn import operands
+  method = "sage"
+  b, t, s, n, nk, d = 2, 96, 160, 4, 2, 64
+  ks = jax.random.split(jax.random.key(7), 4)
+  q = jax.random.normal(ks[0], (b, t, n, d), jnp.float16)
+  channel_bias = 3.0 * jax.random.normal(ks[3], (d,))
+  k = (jax.random.normal(ks[1], (b, s, nk, d)) + channel_bias).astype(
+      jnp.float16)
+  v = jax.random.normal(ks[2], (b, s, nk, d), jnp.float16)
+  lens = jnp.asarray([160, 90], jnp.int32)
+  scale = d ** -0.5
+  config = api.config_for(method, "mosaic")
+  static = dict(method=method, implementation="mosaic", scale=scale,
+                is_causal=True, config=config, with_lse=True)
+  out, lse = api._forward(q, k, v, None, None, lens, output_lse=True,
+                          **static)
+  plain, float_lse = api._forward(q, k, v, None, None, lens, **static)
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
+  diff = np.abs(np.asarray(lse) - np.asarray(float_lse))
+  print("max |lse - float lse|", diff.max())
+  assert diff.max() < 0.05, diff.max()  # 0.021 measured
+  ops = operands.quantized_operands(method, q, k, v, lens, scale=scale,
+                                    config=config, pack_int4=False)
+  shift = scale * jnp.einsum("btkgd,bkd->btkg",
+                             q.astype(jnp.float32).reshape(b, t, nk, 2, d),
+                             ops.k_shift).reshape(b, t, n)
+  assert float(jnp.abs(shift).max()) > 3.0   # the correction matters
+
+
+def test_mosaic_sage_chunks_merge_through_the_output_lse():
+  """Two key chunks with different per-channel key means (so different
+  smoothing shifts), each a sage call with its ``output_lse``, merged as
+  the ring merges its steps: as accurate against float32 attention as one
+  call over all the keys."""
+  b, t, s, n, d = 1, 64, 128, 2, 64
+  ks = jax.random.split(jax.random.key(3), 5)
+  q = jax.random.normal(ks[0], (b, t, n, d), jnp.float16)
+  k = jax.random.normal(ks[1], (b, s, n, d), jnp.float32)
+  k = k.at[:, :64].add(2.0 * jax.random.normal(ks[3], (d,)))
+  k = k.at[:, 64:].add(2.0 * jax.random.normal(ks[4], (d,))).astype(
+      jnp.float16)
+  v = jax.random.normal(ks[2], (b, s, n, d), jnp.float16)
+  scale = d ** -0.5
+  static = dict(method="sage", implementation="mosaic", scale=scale,
+                is_causal=False, config=api.config_for("sage", "mosaic"),
+                with_lse=True, output_lse=True)
+  parts = [api._forward(q, k[:, c], v[:, c], None, None,
+                        jnp.full((b,), 64, jnp.int32), **static)
+           for c in (slice(0, 64), slice(64, 128))]
+  (o_a, l_a), (o_b, l_b) = parts
+  lse = jnp.logaddexp(l_a, l_b)[..., None]
+  merged = (jnp.exp(l_a[..., None] - lse) * o_a.astype(jnp.float32)
+            + jnp.exp(l_b[..., None] - lse) * o_b.astype(jnp.float32))
+  single = jaxattn.dot_product_attention(q, k, v, method="sage",
+                                         implementation="mosaic")
+  exact = jaxattn.dot_product_attention(
+      *(x.astype(jnp.float32) for x in (q, k, v)))
+  assert _rel(merged, exact) <= 1.2 * _rel(single, exact) + 2e-4, (
+      _rel(merged, exact), _rel(single, exact))

@@ -16,6 +16,7 @@ Each backend module has
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -85,6 +86,12 @@ class Adapter:
   the float32 log-sum-exp ``[B, N, T]`` (natural log, ``-inf`` for a row
   that sees no key); without it the log-sum-exp comes from
   :func:`logsumexp`.
+
+  ``run_output_lse``: ``run`` that also returns the log-sum-exp of the
+  scores the kernel formed (the quantized ones, in the units of the
+  method's scores), the normalizer of the output it returns.  Merging
+  partial outputs (the ring's steps) needs that one; no gradient uses it,
+  as it is not float attention's.
   """
   run: Callable[..., Any]
   check: Callable[[Call], None] = _accepts
@@ -92,6 +99,7 @@ class Adapter:
   kernel: Callable[..., Any] | None = None
   confines_nonfinite: bool = False
   run_lse: Callable[..., Any] | None = None
+  run_output_lse: Callable[..., Any] | None = None
   index_mask: bool = False
   segment_scales: bool = False
   defaults: tuple = ()
@@ -105,12 +113,15 @@ def with_defaults(adapter: Adapter, config, options):
   return dataclasses.replace(config, **changes) if changes else config
 
 
-def two_stage(prepare, kernel, check=_accepts, defaults=()) -> Adapter:
+def two_stage(prepare, kernel, check=_accepts, defaults=(),
+              kernel_lse: bool = False) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
-  dtype with NaN in the rows a non-finite input reaches."""
+  dtype with NaN in the rows a non-finite input reaches.  ``kernel_lse``:
+  ``kernel`` takes ``return_lse`` (its log-sum-exp ``[B, N, T]``), which
+  makes ``run_output_lse``."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-          index_mask=None):
+          index_mask=None, return_lse=False):
     segments = (None if index_mask is None or index_mask.q_segments is None
                 else (index_mask.q_segments, index_mask.kv_segments))
     ops = prepare(q, k, v, kv_lens, scale=scale, config=config,
@@ -121,15 +132,36 @@ def two_stage(prepare, kernel, check=_accepts, defaults=()) -> Adapter:
     out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
                  config=config,
                  out_dtype=jnp.float32 if row_scaled else q.dtype,
-                 index_mask=index_mask)
+                 index_mask=index_mask,
+                 **({"return_lse": True} if return_lse else {}))
+    out, lse = out if return_lse else (out, None)
     if row_scaled:
       out = (out.astype(jnp.float32)
              * ops.out_row_scale[..., None]).astype(q.dtype)
-    return nonfinite.poison(out, nonfinite.rows_reached(
+    reached = nonfinite.rows_reached(
         ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
-        is_causal=is_causal, q_shape=q.shape, index_mask=index_mask))
+        is_causal=is_causal, q_shape=q.shape, index_mask=index_mask)
+    out = nonfinite.poison(out, reached)
+    if not return_lse:
+      return out
+    if ops.k_shift is not None:   # the scores the smoothing took away
+      lse = lse + scale * _row_dot(q, ops.k_shift)
+    return out, jnp.where(reached.transpose(0, 2, 1), jnp.nan, lse)
   return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
-                 confines_nonfinite=True, index_mask=True, defaults=defaults)
+                 confines_nonfinite=True, index_mask=True, defaults=defaults,
+                 run_output_lse=(functools.partial(run, return_lse=True)
+                                 if kernel_lse else None))
+
+
+def _row_dot(q, k_rows):
+  """``q . k_rows`` of each query row with its key head's row: float32
+  ``[B, N, T]`` from q ``[B, T, N, D]`` and ``k_rows`` ``[B, K, D]``."""
+  b, t, n, d = q.shape
+  nk = k_rows.shape[1]
+  qg = q.astype(jnp.float32).reshape(b, t, nk, n // nk, d)
+  dots = jnp.einsum("btkgd,bkd->bkgt", qg, k_rows.astype(jnp.float32),
+                    precision=jax.lax.Precision.HIGHEST)
+  return dots.reshape(b, n, t)
 
 
 def refuse_options(config, names, why: str) -> None:

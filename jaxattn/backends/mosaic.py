@@ -149,11 +149,13 @@ def _prepare(method, q, k, v, kv_lens, *, scale, config, segments=None):
 
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
-            *, is_causal, config, out_dtype, index_mask=None):
+            *, is_causal, config, out_dtype, index_mask=None,
+            return_lse=False):
   """The kernel on :class:`jaxattn.operands.QuantizedOperands`.  The
   method's ``block_k`` is the kernel's: it is part of the numerics (the
   online softmax rounds P against each block's running max; scale
-  groups)."""
+  groups).  ``return_lse``: also the log-sum-exp of the scores it formed
+  (``[B, N, T]``, without ``ops.k_shift``)."""
   del bias, mask
   return _exact_when_needed(functools.partial(
       mosaic.mosaic_attention,
@@ -163,8 +165,8 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
       out_scale=ops.out_scale, out_shift=ops.out_shift,
       v_keys_ordered=ops.v_keys_ordered,
-      out_dtype=_out_dtype(out_dtype), index_mask=index_mask),
-      ops.score_bound)
+      out_dtype=_out_dtype(out_dtype), index_mask=index_mask,
+      return_lse=return_lse), ops.score_bound)
 
 
 def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
@@ -197,10 +199,11 @@ ADAPTERS = {
     # 128-key blocks unless asked otherwise: SageAttention2's sm90 block,
     # and faster here at the same error (docs/design.md)
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
-                      check=_check_sage, defaults=(("block_k", 128),)),
+                      check=_check_sage, defaults=(("block_k", 128),),
+                      kernel_lse=True),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
-                      check=_check_common),
+                      check=_check_common, kernel_lse=True),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
-                     check=_check_fp8),
+                     check=_check_fp8, kernel_lse=True),
     "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True),
 }
