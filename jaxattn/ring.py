@@ -5,8 +5,10 @@ sequence (mesh axis ``axis_name``, ``n`` devices).  In ``n`` steps every
 device attends its queries to each K/V chunk while ``lax.ppermute`` passes
 the chunks around the ring (issued before the step's attention, so XLA
 overlaps the transfer with it).  Each step is one call of the method (any
-of ``jaxattn.METHODS``, any backend) with its log-sum-exp; the
-partial outputs merge exactly through their float32 log-sum-exp::
+of ``jaxattn.METHODS``, any backend) with its log-sum-exp (the kernel's
+own, the normalizer of its output, where it has one: ``Adapter.
+run_output_lse``; else the float32 scores'); the partial outputs merge
+exactly through it::
 
     lse = logaddexp(lse_a, lse_b)
     out = exp(lse_a - lse) out_a + exp(lse_b - lse) out_b     (float32)
