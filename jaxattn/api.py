@@ -399,7 +399,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
       ``(output, lse)``.  It is the kernel's own where the kernel computes
       it (the Triton "fp32", "fp16_fp32", "fp16" and "pasa" kernels, the
       Mosaic "fp32" kernel), else that of the float32 scores (one more
-      forward pass).
+      forward pass).  A sequence-sharded call runs as a ring and returns
+      the merge of its steps' own (:mod:`jaxattn.ring`).
     **options: the method's options (its configuration dataclass fields);
       unknown ones raise ``TypeError``.
 

@@ -145,7 +145,10 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
     if not return_lse:
       return out
     if ops.k_shift is not None:   # the scores the smoothing took away
-      lse = lse + scale * _row_dot(q, ops.k_shift)
+      # (NaN/Inf count as 0, as in the quantizers; a row that sees no key
+      # keeps -inf, whatever its query holds)
+      shift = scale * _row_dot(nonfinite.finite(q), ops.k_shift)
+      lse = jnp.where(jnp.isneginf(lse), lse, lse + shift)
     return out, jnp.where(reached.transpose(0, 2, 1), jnp.nan, lse)
   return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
                  confines_nonfinite=True, index_mask=True, defaults=defaults,
