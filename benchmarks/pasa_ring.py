@@ -11,7 +11,7 @@ import jax, jax.numpy as jnp, numpy as np
 jax.config.update("jax_enable_x64", True)
 from jax.sharding import AxisType, PartitionSpec as P
 import jaxattn
-from jaxattn import ring
+from jaxattn import pasa, ring
 def rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64); return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 S, N, D = 1024, 8, 128
@@ -25,7 +25,7 @@ for name, gen in cases.items():
   for causal in (False, True):
     row = [name, "causal" if causal else "full"]
     nan16 = float(jnp.isnan(jaxattn.dot_product_attention(q, k, v, method="fp16_fp32", is_causal=causal, implementation="reference")).mean())
-    for cfg in ({}, {"state_dtype": "float16", "key_rounding": "nearest"}):
+    for cfg in ({}, pasa.ALGORITHM1):
       single = jaxattn.dot_product_attention(q, k, v, method="pasa", is_causal=causal, implementation="reference", **cfg)
       t = jaxattn.dot_product_attention(*(x.astype(jnp.float64) for x in (q, k, v)), implementation="reference", is_causal=causal)
       row.append(f"single {rel(single, t):.2e}")

@@ -36,14 +36,22 @@ Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
 
 * ``adaptive_shift=True``: a key block is shifted only where its mean is
   large against its spread (:func:`block_shifted`); the others keep their
-  keys exactly, because the softmax scale is folded into the keys only as
-  a power of two (:func:`key_factor`) and the rest of it, ``scale / p``,
-  into the exponent.  Where the shift removes nothing (keys of mean 0) it
-  would only round every key once more than ``fp16_fp32`` does.  An
-  unshifted block contributes no correction (``dm'_j = -inva F_j``) and
-  no ``Sbar'`` to ``F``.
+  keys exactly (but for entries below ``2^-14 / p``, which float16's
+  subnormals hold to ``2^-24``), because the softmax scale is folded into
+  the keys only as a power of two (:func:`key_factor`) and the rest of
+  it, ``scale / p``, into the exponent.  Where the shift removes nothing
+  (keys of mean 0) it would only round every key once more than
+  ``fp16_fp32`` does.  An unshifted block contributes no correction
+  (``dm'_j = -inva F_j``) and no ``Sbar'`` to ``F``.
+* ``online_softmax="running"``: FlashAttention-2's form of the online
+  softmax, ``P = exp(scale/p S' + dm_j - m_j)`` against the running max
+  (which the corrections move), where Algorithm 1 takes ``exp(S' - m')``
+  against the block's max and scales the block's ``l'`` and ``P V`` by
+  ``e^{dm_j}``.  The values are the same; with every correction 0 (no
+  block shifted) the arithmetic is ``fp16_fp32``'s op for op, and the
+  kernels accumulate ``P V`` in the tensor cores as for ``fp16_fp32``.
 
-The default uses all three; ``docs/design.md`` has the sweeps behind it.
+The default uses all four; ``docs/design.md`` has the sweeps behind it.
 
 Decisions beyond the paper (documented in the README):
 
@@ -84,7 +92,8 @@ DEFAULT_BETA0 = 1.0 - 2.0**-6
 KEY_ROUNDINGS = ("sum_preserving", "nearest")
 # The options that make PasaConfig the paper's Algorithm 1 literally.
 ALGORITHM1 = {"state_dtype": "float16", "key_rounding": "nearest",
-              "adaptive_shift": False}
+              "adaptive_shift": False, "online_softmax": "per_block"}
+ONLINE_SOFTMAXES = ("running", "per_block")
 # A block is shifted when |c| > SHIFT_MIN_RATIO |A| (block_shifted); the
 # keys' factor p <= scale / (1 + SHIFT_MIN_RATIO) then keeps every block's
 # float16 scores within the paper's bound (README, "PASA's bound").
@@ -149,6 +158,11 @@ class PasaConfig(base.MethodConfig):
       their spread, and fold the softmax scale into the keys as a power of
       two ``p`` (default True; False: every block, ``p = scale``, as
       Algorithm 1).  Needs the float32 state.
+    online_softmax: ``"running"`` (default; FlashAttention-2's form: ``P``
+      against the running max, the corrections folded into it, so that
+      with no block shifted the arithmetic is exactly ``fp16_fp32``'s) or
+      ``"per_block"`` (Algorithm 1: ``P`` against the block's own max,
+      then scaled by ``e^{dm_j}``).  ``"running"`` needs the float32 state.
     tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
       table in :mod:`pallas_kernels.flash`); the reference ignores them and
       the Mosaic kernel refuses them.
@@ -159,6 +173,7 @@ class PasaConfig(base.MethodConfig):
   state_dtype: str = "float32"
   key_rounding: str = "sum_preserving"
   adaptive_shift: bool = True
+  online_softmax: str = "running"
   tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -179,6 +194,14 @@ class PasaConfig(base.MethodConfig):
       raise ValueError("adaptive_shift needs state_dtype='float32' (an "
                        "unshifted block's mean score can overflow a float16 "
                        "state); PasaConfig.algorithm1() turns both off")
+    if self.online_softmax not in ONLINE_SOFTMAXES:
+      raise ValueError(f"online_softmax must be one of {ONLINE_SOFTMAXES}, "
+                       f"got {self.online_softmax!r}")
+    if (self.online_softmax == "running" and self.compute_dtype == "float16"
+        and self.state_dtype != "float32"):
+      raise ValueError("online_softmax='running' needs state_dtype="
+                       "'float32' (its max carries the corrections); "
+                       "PasaConfig.algorithm1() sets 'per_block'")
     if self.beta is not None and not 0.0 <= self.beta < 1.0:
       raise ValueError(f"beta must be in [0, 1), got {self.beta}")
 
@@ -350,7 +373,51 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
       k, kv_len, beta=beta, scale=scale, block_k=bk, compute_dtype=cd,
       key_rounding=config.key_rounding, adaptive=config.adaptive_shift)
 
+  def corrections(x, s_mean, seen, f, count):
+    """Steps 3-4: the new ``F`` and block count, and the corrections
+    ``dm'_{j-1}``, ``dm'_j`` (in the units of ``S'``).  A row that sees no
+    key of the block keeps ``F`` and its count, and gets ``dm'_{j-1} =
+    0``; with the adaptive shift an unshifted block adds no ``Sbar'``."""
+    moved = seen & x["shifted"] if config.adaptive_shift else seen
+    j = count + moved.astype(jnp.int32)
+    f_new = jnp.where(moved, (((j - 1).astype(sd) * f) + s_mean)
+                      / jnp.maximum(j, 1).astype(sd), f)
+    s_in_f = (jnp.where(x["shifted"], s_mean, 0.0).astype(sd)
+              if config.adaptive_shift else s_mean)
+    return f_new, j, inva * (f - f_new), inva * (s_in_f - f_new)
+
+  def step_running(carry, x):
+    """Steps 1-6 in FlashAttention-2's form of the online softmax: ``P``
+    against the running max with the corrections folded into it,
+    ``P = exp(res S' + dm_j - m_j)``.  The same values as Algorithm 1's
+    ``e^{dm_j} exp(S' - m')``, one rounding fewer for ``P``; and where
+    every correction is 0 (no block shifted) it is ``fp16_fp32``'s
+    arithmetic op for op (``res S'`` equals ``scale S`` exactly, ``p``
+    being a power of two)."""
+    m, l, o, f, count = carry
+    s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
+    s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
+    s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
+    u = s.astype(sd) * jnp.asarray(res, sd)   # scaled scores, minus beta F
+    if "bias" in x:
+      u = u + x["bias"].astype(sd)
+    u = jnp.where(x["visible"], u, -jnp.inf)
+    f_new, j, dmp_prev, dmp_cur = corrections(
+        x, s_mean, x["visible"].any(axis=-1), f, count)
+    d_prev = dmp_prev * jnp.asarray(res, sd)
+    d_cur = dmp_cur * jnp.asarray(res, sd)
+    m_new = jnp.maximum(m + d_prev, u.max(axis=-1) + d_cur)   # step 5
+    m_ref = base.safe_max(m_new)
+    e = base.exp_f32(u - (m_ref - d_cur)[:, None], acc=acc)
+    alpha = base.exp_f32((m + d_prev) - m_ref, acc=acc).astype(sd)
+    l = alpha * l + e.sum(axis=-1).astype(sd)                 # step 6
+    pv = jnp.dot(e.astype(cd), x["v"], preferred_element_type=acc)
+    o = alpha[:, None] * o + pv.astype(sd)
+    return (m_new, l, o, f_new, j), None
+
   def step(carry, x):
+    """Steps 1-6 as Algorithm 1 states them: ``P`` against the block's own
+    max, the block's ``l'`` and ``P V`` then scaled by ``e^{dm_j}``."""
     m, l, o, f, count = carry
     s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
     s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
@@ -365,16 +432,8 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     m_loc = m_loc.astype(sd)
     l_loc = e.sum(axis=-1).astype(sd)
     p = e.astype(cd)
-    if config.adaptive_shift:   # an unshifted block: no Sbar' in F
-      j = count + x["shifted"].astype(jnp.int32)
-      f_new = jnp.where(x["shifted"], (((j - 1).astype(sd) * f) + s_mean)
-                        / jnp.maximum(j, 1).astype(sd), f)
-      dmp_cur = inva * (jnp.where(x["shifted"], s_mean, 0.0) - f_new)
-    else:
-      j = count + 1
-      f_new = (((j - 1).astype(sd) * f) + s_mean) / j.astype(sd)   # step 3
-      dmp_cur = inva * (s_mean - f_new)                      # step 4
-    dmp_prev = inva * (f - f_new)
+    seen = x["visible"].any(axis=-1)
+    f_new, j, dmp_prev, dmp_cur = corrections(x, s_mean, seen, f, count)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
@@ -383,21 +442,22 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     l_new = e_prev * l + e_cur * l_loc                        # step 6
     pv = jnp.dot(p, x["v"], preferred_element_type=acc).astype(sd)
     o_new = e_cur[:, None] * pv + e_prev[:, None] * o
-    seen = x["visible"].any(axis=-1)
     keep = lambda new, old: jnp.where(seen.reshape(-1, *[1] * (old.ndim - 1)),
                                       new, old)
-    return (keep(m_new, m), keep(l_new, l), keep(o_new, o), keep(f_new, f),
-            keep(j, count)), None
+    return (keep(m_new, m), keep(l_new, l), keep(o_new, o), f_new, j), None
 
   init = (*base.softmax_state(t, dv, sd), jnp.zeros((t,), sd),
           jnp.zeros((t,), jnp.int32))
-  (m, l, o, f, _), _ = jax.lax.scan(step, init, xs)
+  running = config.online_softmax == "running"
+  (m, l, o, f, _), _ = jax.lax.scan(step_running if running else step, init,
+                                    xs)
   out = base.finalize(o, l)
   out_dtype = jnp.promote_types(sd, jnp.float32)  # float64 stays float64
   if return_lse:
-    # Scores are relative to the common reference beta F / (1 - beta), in
-    # units of p.
-    lse = (res * (m.astype(acc) + inva.astype(acc) * f.astype(acc))
+    # Scores are relative to the common reference beta F / (1 - beta) (m in
+    # units of p in the per-block form).
+    m_nat = m.astype(acc) if running else res * m.astype(acc)
+    lse = (m_nat + res * inva.astype(acc) * f.astype(acc)
            + jnp.log(l.astype(acc)))
     return out.astype(out_dtype), jnp.where(l == 0, -jnp.inf, lse).astype(
         out_dtype)

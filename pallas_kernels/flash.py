@@ -51,7 +51,9 @@ _TABLE = {
 def default_params(precision: str, head_dim: int) -> common.KernelParams:
   """The tuned block sizes, warps and stages for ``precision`` at
   ``head_dim`` (padded to a power of two, 64 to 256)."""
-  key = "pasa" if precision == "pasa" else "fp32"
+  # fp16_fp32 is PASA's baseline: the same key blocks, so that where PASA
+  # shifts no block the two compute the same arithmetic
+  key = "pasa" if precision in ("pasa", "fp16_fp32") else "fp32"
   d = min(max(pl.next_power_of_2(head_dim), 64), 256)
   return common.KernelParams(*_TABLE[(key, d)])
 
@@ -59,7 +61,7 @@ def default_params(precision: str, head_dim: int) -> common.KernelParams:
 def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
                   precision, block_q, block_k, has_segments, has_bias,
                   has_mask, return_lse, state_dtype, pasa_exp_scale,
-                  has_shifted):
+                  has_shifted, pasa_running):
   """One query block of one head.
 
   q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
@@ -71,7 +73,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   lse ``[block_q]`` float32 (natural log).  For PASA ``scale`` is
   ``beta / (1 - beta)`` (the softmax scale is folded into the keys) and
   ``state_dtype`` is the dtype of its ``m, l, O, F, Sbar'`` (float16 is
-  Algorithm 1; ``S'`` and ``P`` are float16 either way).
+  Algorithm 1; ``S'`` and ``P`` are float16 either way); ``pasa_running``:
+  its online softmax in FlashAttention-2's form (``"fp16_fp32"``'s code,
+  the running max moved by PASA's corrections), else Algorithm 1's.
   """
   refs = list(refs)
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
@@ -83,10 +87,15 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   lse_ref = refs.pop(0) if return_lse else None
   f32, f16 = jnp.float32, jnp.float16
   is_pasa = precision == "pasa"
+  running = is_pasa and pasa_running
   stat = {"fp16": f16, "pasa": jnp.dtype(state_dtype)}.get(precision, f32)
-  # "fp32"/"fp16_fp32" work in base 2 with scale*log2(e) applied in the FMA
-  # of exp2(s * c - m); "fp16"/"pasa" mirror their references op for op.
-  base2 = precision in ("fp32", "fp16_fp32")
+  # "fp32"/"fp16_fp32" and PASA's running form work in base 2 with
+  # scale*log2(e) applied in the FMA of exp2(s * c - m); "fp16" and PASA's
+  # Algorithm 1 mirror their references op for op.
+  base2 = precision in ("fp32", "fp16_fp32") or running
+  # the factor from the scores (PASA: S', in units of the keys' factor) to
+  # the exponent's argument, natural log
+  s_unit = pasa_exp_scale if is_pasa else scale
   i = pl.program_id(0)
   bounds = tuple(bounds_ref[c] for c in range(4))
   q = q_ref[...]
@@ -99,6 +108,27 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   # exp(scale / p * x), as jaxattn.pasa.pasa_head takes it
   exp_pasa = functools.partial(common.exp_f32, scale=pasa_exp_scale)
 
+  def corrections(j, s_mean, seen, f, count):
+    """PASA steps 3-4 (:func:`jaxattn.pasa.pasa_head`): the new ``F`` and
+    block count and ``dm'_{j-1}, dm'_j``; a row that sees no key of the
+    block (``seen`` False; None: every row sees one) keeps ``F``."""
+    inva = jnp.asarray(scale, stat)
+    moved = None if seen is None else seen
+    if has_shifted:   # an unshifted block adds no Sbar' to F
+      shifted = shifted_ref[j] > 0.0
+      moved = shifted if moved is None else moved & shifted
+      s_in_f = jnp.where(shifted, s_mean, 0.0).astype(stat)
+    else:
+      s_in_f = s_mean
+    if moved is None:
+      jn = count + 1
+      f_new = div((jn - 1).astype(stat) * f + s_mean, jn.astype(stat))
+    else:
+      jn = count + moved.astype(jnp.int32)
+      f_new = jnp.where(moved, div((jn - 1).astype(stat) * f + s_mean,
+                                   jnp.maximum(jn, 1).astype(stat)), f)
+    return f_new, jn, inva * (f - f_new), inva * (s_in_f - f_new)
+
   def body(j, carry, masked):
     m, l, o, f, count = carry
     ks = pl.ds(pl.multiple_of(j * block_k, block_k), block_k)
@@ -110,12 +140,12 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
       s = s.astype(f16)  # the score matrix leaves the matmul unit in fp16
     if precision == "fp16":
       s = s * jnp.asarray(scale, f16)
-    elif not is_pasa:
+    elif not is_pasa or running:
       s = s.astype(f32)
     if has_bias:
       b = bias_ref[:, ks]
       if base2:
-        b = b * (1.0 / scale)
+        b = b * (1.0 / s_unit)
       elif is_pasa and pasa_exp_scale != 1.0:   # S' is in units of p
         b = b * jnp.float32(1.0 / pasa_exp_scale)
       s = s + b.astype(s.dtype)
@@ -128,8 +158,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
           mask=mask_ref[:, ks] if has_mask else None)
       s = jnp.where(visible, s, -jnp.inf)
     v = v_ref[ks, :]
-    c = scale * LOG2E
-    if not is_pasa:
+    c = s_unit * LOG2E
+    if not is_pasa or running:
       if base2:
         s = s * c
         if common.interpret():
@@ -138,14 +168,24 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
           # at scores ~1e10 one ulp of difference overflows exp2
           s = lax.optimization_barrier(s)
       m_cur = jnp.max(s, axis=1)
-      m_new = jnp.maximum(m, m_cur)
-      m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(stat)
-      if base2:
-        e = jnp.exp2(s - m_ref[:, None])
-        alpha = jnp.exp2(m - m_ref)
+      if running:   # PASA: the max moves by its corrections (base 2)
+        seen = (None if visible is None
+                else jnp.max(visible.astype(jnp.int32), axis=1) > 0)
+        f, count, d_prev, d_cur = corrections(j, s_mean, seen, f, count)
+        d_prev, d_cur = d_prev * c, d_cur * c
+        m_new = jnp.maximum(m + d_prev, m_cur + d_cur)
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        e = jnp.exp2(s - (m_ref - d_cur)[:, None])
+        alpha = jnp.exp2((m + d_prev) - m_ref)
       else:
-        e = common.exp_f32(s - m_ref[:, None])
-        alpha = common.exp_f32(m - m_ref).astype(stat)
+        m_new = jnp.maximum(m, m_cur)
+        m_ref = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(stat)
+        if base2:
+          e = jnp.exp2(s - m_ref[:, None])
+          alpha = jnp.exp2(m - m_ref)
+        else:
+          e = common.exp_f32(s - m_ref[:, None])
+          alpha = common.exp_f32(m - m_ref).astype(stat)
       l = alpha * l + jnp.sum(e, axis=1).astype(stat)
       pv = lax.dot_general(e.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=f32)
@@ -158,18 +198,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     m_loc = m_loc.astype(stat)
     l_loc = jnp.sum(e, axis=1).astype(stat)
     p = e.astype(f16)
-    inva = jnp.asarray(scale, stat)
-    if has_shifted:   # an unshifted block adds no Sbar' to F
-      moved = shifted_ref[j] > 0.0
-      jn = count + moved.astype(jnp.int32)
-      f_new = jnp.where(moved, div((jn - 1).astype(stat) * f + s_mean,
-                                   jnp.maximum(jn, 1).astype(stat)), f)
-      dmp_cur = inva * (jnp.where(moved, s_mean, 0.0).astype(stat) - f_new)
-    else:
-      jn = count + 1
-      f_new = div((jn - 1).astype(stat) * f + s_mean, jn.astype(stat))
-      dmp_cur = inva * (s_mean - f_new)
-    dmp_prev = inva * (f - f_new)
+    f_new, jn, dmp_prev, dmp_cur = corrections(j, s_mean, None, f, count)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
     dm_prev = (m - m_new) + dmp_prev
     dm_cur = (m_loc - m_new) + dmp_cur
@@ -202,7 +231,10 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   o_ref[...] = out.astype(o_ref.dtype)
   if return_lse:
     lf = jnp.log(safe_l.astype(f32))
-    if base2:
+    if running:   # relative to beta F / (1 - beta), as m
+      lse = (m.astype(f32) / LOG2E
+             + jnp.float32(pasa_exp_scale * scale) * f.astype(f32) + lf)
+    elif base2:
       lse = m.astype(f32) / LOG2E + lf
     elif is_pasa:
       lse = (jnp.float32(pasa_exp_scale)
@@ -215,7 +247,8 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
 def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
                     is_causal, precision, params, return_lse=False,
                     state_dtype=jnp.float16, index_mask=None,
-                    pasa_exp_scale=1.0, pasa_shifted=None):
+                    pasa_exp_scale=1.0, pasa_shifted=None,
+                    pasa_running=False):
   """Batched flash attention through the kernel.
 
   Args:
@@ -232,6 +265,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
     pasa_shifted: ``"pasa"`` only: float32 ``[B, K, S_pad / block_k]``, 1
       for the shifted key blocks, 0 for those the adaptive shift left (in
       ``params.block_k`` blocks), or None (every block shifted).
+    pasa_running: ``"pasa"`` only: the online softmax in FlashAttention-2's
+      form (needs the float32 state; ``PasaConfig.online_softmax``).
     params: block sizes, warps and stages (:func:`default_params`).
     index_mask: query lengths, alignment, local window and segment ids
       (:class:`common.IndexMask`), or None.
@@ -300,7 +335,9 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       has_mask=mask is not None, return_lse=return_lse,
       state_dtype=jnp.dtype(state_dtype).name,
       pasa_exp_scale=float(pasa_exp_scale),
-      has_shifted=pasa_shifted is not None)
+      has_shifted=pasa_shifted is not None, pasa_running=bool(pasa_running))
+  if pasa_running and jnp.dtype(state_dtype) != jnp.float32:
+    raise ValueError("PASA's running online softmax needs the float32 state")
   outs = pl.pallas_call(
       kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,

@@ -38,12 +38,18 @@ Operand types (static ``qk`` / ``pv``):
   ``O = e^{m - m'} O + e^{m_t - m'} P V``, ``l = e^{m - m'} l + e^{m_t -
   m'} rowsum exp2(S - m_t)`` (unquantized row sums, as the method).
 
-``pasa_inva`` (PASA): Q and the shifted keys in float16, the softmax of
-Algorithm 1 (steps 1-6) with the online pseudo-average: ``S'`` and ``P`` in
-float16, the state (``m, l, O, F``, the per-block ``P V``) in
-``pasa_state_dtype`` (float16 is the paper's Algorithm 1); the exponent's
-factor ``pasa_exp_scale`` on ``S'``, and per key block a 0/1 weight where
-the adaptive shift left some blocks (:mod:`jaxattn.pasa`).
+``f16_scores``: ``S`` rounded to float16 as it leaves the matmul (the PASA
+paper's ``fp16_fp32`` baseline, and PASA).
+
+``pasa_inva`` (PASA): Q and the shifted keys in float16, the online
+pseudo-average of Algorithm 1 (steps 1-6) with ``S'`` and ``P`` in float16;
+the exponent's factor ``pasa_exp_scale`` on ``S'``, and per key block a 0/1
+weight where the adaptive shift left some blocks (:mod:`jaxattn.pasa`).
+With the float32 state the softmax is the ``fp16_fp32`` one, its running
+max moved by PASA's corrections (``pasa_running``, FlashAttention-2's
+form, P accumulated in the tensor cores); with the float16 state it is
+Algorithm 1's, ``P`` against each block's own max and the per-block ``P V``
+rescaled.
 
 8-bit P feeds the PV wgmma from registers: the accumulator-layout
 registers are reinterpreted as the 8-bit operand layout without moving data
@@ -184,33 +190,50 @@ def _pasa_scores(s, visible, *, block_k, state_dtype, exp_factor):
                          seen)
 
 
+def _pasa_corrections(f, count, s_mean, *, inva, weight, seen=None):
+  """PASA steps 3-4 (:func:`jaxattn.pasa.pasa_head`) on rows in ``F``'s
+  dtype: the new ``F`` and block count (float32) and the corrections
+  ``dm'_{j-1}, dm'_j`` (units of ``S'``).  ``weight``: the block's float32
+  scalar, 1 if it is shifted and 0 if not (None: every block is); an
+  unshifted one adds no ``Sbar'`` to ``F``.  A row where ``seen`` is
+  False (None: every row sees the block) keeps ``F`` and its count."""
+  f32 = jnp.float32
+  sd = f.dtype
+  inva = jnp.asarray(inva, sd)
+  shifted = None
+  w = None
+  if weight is not None:   # the scalar as a row (a select takes no scalar
+    w = count * 0.0 + weight             # predicate)
+    shifted = w > 0.0
+  if seen is not None:
+    w = jnp.where(seen, 1.0 if w is None else w, 0.0)
+  moved = None if w is None else w > 0.0
+  total = (count.astype(sd) * f + s_mean).astype(f32)
+  if moved is None:
+    jn = count + 1.0                    # the block count j (exact in f32)
+    f_new = (total / jn.astype(sd).astype(f32)).astype(sd)
+  else:
+    jn = count + jnp.where(moved, 1.0, 0.0)
+    f_new = jnp.where(moved, (total / jnp.maximum(jn, 1.0).astype(sd)
+                              .astype(f32)).astype(sd), f)
+  s_in_f = (s_mean if shifted is None
+            else jnp.where(shifted, s_mean, 0.0).astype(sd))
+  return f_new, jn, inva * (f - f_new), inva * (s_in_f - f_new)
+
+
 def _pasa_update(state, rows, pv_blk, *, inva, exp_factor, weight):
   """PASA steps 3-6 (:func:`jaxattn.pasa.pasa_head`) in the state's dtype
   (``O``'s): the online pseudo-average ``F``, the corrections ``dm'``, the
   new max and the rescaled ``l`` and ``O`` with the block's ``P V``.
   ``state`` is ``(O, m, l, (F, count))``; rows that see no key of the block
-  keep it.  ``weight``: the block's float32 scalar, 1 if it is shifted and
-  0 if not (None: every block is); an unshifted one adds no ``Sbar'`` to
-  ``F``."""
+  keep it.  ``weight`` as :func:`_pasa_corrections`."""
   f32 = jnp.float32
   o, m, l, (f, count) = state
   sd = o.dtype
   s_mean, m_loc, l_loc, seen = rows
   exp_sd = lambda x: jnp.exp2(x.astype(f32) * exp_factor).astype(sd)
-  inva = jnp.asarray(inva, sd)
-  if weight is None:
-    jn = count + 1.0                    # the block count j (exact in f32)
-    f_new = (count.astype(sd) * f + s_mean).astype(f32)
-    f_new = (f_new / jn.astype(sd).astype(f32)).astype(sd)
-    dmp_cur = inva * (s_mean - f_new)
-  else:   # the scalar as a row (a select takes no scalar predicate)
-    moved = count * 0.0 + weight > 0.0
-    jn = count + jnp.where(moved, 1.0, 0.0)
-    f_new = (count.astype(sd) * f + s_mean).astype(f32)
-    f_new = jnp.where(moved, (f_new / jnp.maximum(jn, 1.0).astype(sd)
-                              .astype(f32)).astype(sd), f)
-    dmp_cur = inva * (jnp.where(moved, s_mean, 0.0).astype(sd) - f_new)
-  dmp_prev = inva * (f - f_new)
+  f_new, jn, dmp_prev, dmp_cur = _pasa_corrections(
+      f, count, s_mean, inva=inva, weight=weight)
   m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
   e_prev = exp_sd((m - m_new) + dmp_prev)
   e_cur = exp_sd((m_loc - m_new) + dmp_cur)
@@ -277,8 +300,9 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
 
 
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
-            block_q, block_k, stages, group, c_scale, pasa, pasa_state_dtype,
-            pasa_exp_scale, has_shifted, has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
+            block_q, block_k, stages, group, c_scale, pasa_inva,
+            pasa_running, pasa_state_dtype, f16_scores, has_shifted,
+            has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
             has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
             exact_exponent, return_lse):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
@@ -293,8 +317,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   sums ``[B, K, nb, D]`` int32 (``pv="uint8"``); optional out_scale,
   out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
   with ``return_lse`` lse ``[B, N, T]`` float32.
-  ``pasa``: k holds PASA's shifted keys and ``c_scale`` is
-  ``fl16(beta / (1 - beta))`` (:func:`_pasa_update`)."""
+  ``c_scale``: the factor from the scores to the exponent's base 2 where
+  no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
+  this is ``fl16(beta / (1 - beta))``; None otherwise."""
   refs = list(refs)
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None,) * 2)
@@ -309,6 +334,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   head_dim = q_ref.shape[-1]
   eight_bit_pv = pv in ("fp8", "int8", "uint8")
   f32, f16 = jnp.float32, jnp.float16
+  pasa = pasa_inva is not None
+  pasa_per_block = pasa and not pasa_running   # Algorithm 1's softmax
 
   def body(scratch, barriers):
     (q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem,
@@ -365,7 +392,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       if has_segments:
         q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
                            layout=row_layout, optimized=False)
-      stat = jnp.dtype(pasa_state_dtype) if pasa else f32
+      stat = jnp.dtype(pasa_state_dtype) if pasa_per_block else f32
       row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
                                                  row_layout)
       m_i, l_i = row(-jnp.inf), row(0.0)
@@ -406,6 +433,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           c = 1.0
         else:
           c = c_scale
+          if f16_scores:   # S leaves the matmul unit in float16
+            s = s.astype(f16).astype(f32)
         if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
           s = s + lax.broadcast_in_dim(qb, s.shape, [1])
         visible = None
@@ -424,16 +453,23 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
                 == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
         return s, c, visible
 
-      def softmax(s, c, visible, m_i, l_i):
+      def softmax(s, c, visible, m_i, l_i, shift=None):
         """The online softmax of one block: P (the PV operand's dtype),
         the new row max and sum, the factor ``alpha`` of the old ones, and
         the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
-        factor ``e^{m_t - m'}`` of its product)."""
-        if pasa:
+        factor ``e^{m_t - m'}`` of its product).  ``shift``: PASA's
+        corrections ``(dm'_{j-1}, dm'_j)`` in the units of ``m``, which
+        move the old max and the block's (None: none)."""
+        if pasa_per_block:
           p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
-                                      state_dtype=stat,
-                                      exp_factor=LOG2E * pasa_exp_scale)
+                                      state_dtype=stat, exp_factor=c)
           return p, (m_i, l_i, None, pasa_rows)
+        # PASA: the old max moves by dm'_{j-1}, the block's by dm'_j, and
+        # the block's P is taken against the new max less dm'_j
+        if shift is not None:
+          m_i = m_i + shift[0]
+        moved = (lambda m: m) if shift is None else (lambda m: m + shift[1])
+        unmoved = (lambda m: m) if shift is None else (lambda m: m - shift[1])
         if visible is not None:
           s = jnp.where(visible, s, -jnp.inf)
         if pv == "uint8":
@@ -456,9 +492,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
           # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
           s = lax.optimization_barrier(s)
-          m_new = jnp.maximum(m_i, s.max(axis=1))
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
           m_ref = finite(m_new)
-          e = s - lax.broadcast_in_dim(m_ref, s.shape, [0])
+          e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
           if not isinstance(c, float):   # a row of factors
             alpha = jnp.exp2((m_i - m_ref) * c)
             e = e * lax.broadcast_in_dim(c, s.shape, [0])
@@ -469,11 +505,13 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             alpha = jnp.exp2(m_i - m_ref)
           p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
         else:
-          m_new = jnp.maximum(m_i, s.max(axis=1) * c)
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
           m_ref = finite(m_new)
           alpha = jnp.exp2(m_i - m_ref)
           # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
-          m_exp = m_ref - LOG2_FP8_MAX if pv == "fp8" else m_ref
+          m_exp = unmoved(m_ref)
+          if pv == "fp8":
+            m_exp = m_exp - LOG2_FP8_MAX
           if not isinstance(c, float):   # a row of factors
             s = s * lax.broadcast_in_dim(c, s.shape, [0])
           elif c != 1.0:
@@ -516,14 +554,15 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
-        if pasa:
-          weight = shifted_ref[batch, kv_head, j] if has_shifted else None
-          return _pasa_update(state, block_rows, pv_blk, inva=c_scale,
-                              exp_factor=LOG2E * pasa_exp_scale,
-                              weight=weight)
+        if pasa_per_block:
+          return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
+                              exp_factor=c_scale, weight=pasa_weight(j))
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
+
+      def pasa_weight(j):
+        return shifted_ref[batch, kv_head, j] if has_shifted else None
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
@@ -534,9 +573,23 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           schedule_barrier()
           return acc_ref[...]
         s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        if pasa_running:   # Sbar': the float32 product's mean, before masks
+          s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
         s, c, visible = scores(s, j, masked)
+        shift = None
+        if pasa_running:   # PASA steps 3-4 move the online softmax's max
+          seen = (None if visible is None else
+                  jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
+          f, count = pasa_state
+          f, count, dmp_prev, dmp_cur = _pasa_corrections(
+              f, count, s_mean, inva=pasa_inva, weight=pasa_weight(j),
+              seen=seen)
+          pasa_state = (f, count)
+          # m is in the units of s with the exact exponent, else base 2
+          shift = ((dmp_prev, dmp_cur) if exact_exponent
+                   else (dmp_prev * c, dmp_cur * c))
         p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
-                                                          m_i, l_i)
+                                                          m_i, l_i, shift)
         if fused_pv:   # (else one FMA in add_block)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_arrive(schedule)
@@ -694,7 +747,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      out_scale=None,
                      out_shift=None, pasa_inva=None,
                      pasa_state_dtype=jnp.float16, pasa_exp_scale=1.0,
-                     pasa_shifted=None, v_keys_ordered=False,
+                     pasa_shifted=None, pasa_running=False,
+                     f16_scores=False, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
                      return_lse=False, index_mask=None):
   """Runs the kernel on BTNH inputs.
@@ -718,6 +772,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       the softmax runs PASA's steps 1-6 (``qk = pv = "fp16"``, float16
       only) with the state in ``pasa_state_dtype`` (float16: Algorithm 1).
     pasa_exp_scale: the softmax scale over the keys' factor (PASA).
+    pasa_running: PASA's softmax in FlashAttention-2's form (needs the
+      float32 state; :attr:`jaxattn.pasa.PasaConfig.online_softmax`).
+    f16_scores: ``S`` rounded to float16 as it leaves the matmul
+      (``qk="fp16"``; the ``fp16_fp32`` method; implied by ``pasa_running``).
     pasa_shifted: float32 ``[B, K, S_pad / block_k]``, 1 for a shifted key
       block and 0 for one the adaptive shift left, or None (PASA).
     exact_exponent: the exponent as ``(s - m) * c`` (exact for the scores
@@ -802,6 +860,12 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     args += [pad(x.astype(jnp.float32), 2, d_tile)
              for x in (out_scale, out_shift)]
   pasa = pasa_inva is not None
+  if pasa_running and not (pasa and jnp.dtype(pasa_state_dtype)
+                           == jnp.float32):
+    raise ValueError("pasa_running takes PASA (pasa_inva) with the float32 "
+                     "state")
+  if f16_scores and qk != "fp16":
+    raise ValueError("f16_scores rounds 16-bit products (qk='fp16')")
   if pasa and return_lse:
     raise ValueError("the PASA kernel does not return the log-sum-exp")
   if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
@@ -810,15 +874,18 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
-      c_scale=pasa_inva if pasa else float(scale or 1.0) * LOG2E, pasa=pasa,
+      c_scale=float(pasa_exp_scale if pasa else scale or 1.0) * LOG2E,
+      pasa_inva=float(pasa_inva) if pasa else None,
+      pasa_running=bool(pasa_running),
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
-      pasa_exp_scale=float(pasa_exp_scale),
+      f16_scores=bool(f16_scores or pasa_running),
       has_shifted=pasa_shifted is not None, has_segments=bool(segments),
       has_qk_scales=has_qk_scales,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,
-      fused_pv=pv == "fp16" and not p_in_smem and not pasa,
+      fused_pv=(pv == "fp16" and not p_in_smem
+                and not (pasa and not pasa_running)),
       out_dtype=out_dtype, exact_exponent=exact_exponent,
       return_lse=return_lse)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)

@@ -6,6 +6,7 @@ H100/H200, or Mosaic GPU's interpreter without a GPU.
 method     kernel flags            operands
 =========  ======================  ========================================
 "fp32"     ``qk = pv = "fp16"``    the float16/bfloat16 inputs
+fp16_fp32  same, ``f16_scores``    the inputs in float16
 "pasa"     ``pasa_inva``           shifted keys (:func:`jaxattn.operands.pasa_operands`)
 "sage"     ``qk="int8"``, ``pv``   :func:`jaxattn.operands.quantized_operands`
 "int8"     ``qk="int8"``, ``pv``   same
@@ -107,34 +108,53 @@ def _exact_when_needed(kernel, score_bound):
                   functools.partial(kernel, exact_exponent=True))
 
 
+def _score_bound(q, k, exp_factor):
+  """A bound on ``|S * c|`` from the inputs' amax (``exp_factor``: the
+  softmax scale times ``c``'s part from natural log to base 2)."""
+  amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
+  return amax(q) * amax(k) * (q.shape[-1] * abs(exp_factor) * base.LOG2E)
+
+
 def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
-          return_lse=False, index_mask=None):
+          return_lse=False, index_mask=None, f16_scores=False):
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
-  amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
-  bound = amax(q) * amax(k) * (q.shape[-1] * abs(scale) * base.LOG2E)
   return _exact_when_needed(functools.partial(
       mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
-      out_dtype=q.dtype, return_lse=return_lse, index_mask=index_mask),
-      bound)
+      f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
+      index_mask=index_mask), _score_bound(q, k, scale))
+
+
+def _fp16_fp32(q, k, v, bias, mask, kv_lens, **kwargs):
+  """The ``fp16_fp32`` method: float16 inputs, ``S`` rounded to float16,
+  the rest in float32 (PASA's baseline)."""
+  f16 = jnp.float16
+  return _fp32(q.astype(f16), k.astype(f16), v.astype(f16), bias, mask,
+               kv_lens, f16_scores=True, **kwargs)
 
 
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None):
   """PASA's keys shifted once per block (as for the Triton kernel), then
   its softmax in the kernel (``S'``, ``P`` float16, the state in
-  ``config.state_dtype``); float16 output."""
+  ``config.state_dtype``); float16 output.  The running form takes the
+  exact exponent where ``fp16_fp32`` would, from the same bound (``|q K'|
+  scale / p`` is ``|q K| scale`` for unshifted keys)."""
   del bias, mask
   f16 = jnp.float16
+  q = q.astype(f16)
   ops = operands.pasa_operands(k, v.astype(f16), kv_lens, scale=scale,
                                config=config)
-  out = mosaic.mosaic_attention(
-      q.astype(f16), ops.k, ops.v, kv_lens, qk="fp16", pv="fp16",
-      is_causal=is_causal,
+  kernel = functools.partial(
+      mosaic.mosaic_attention, q, ops.k, ops.v, kv_lens, qk="fp16",
+      pv="fp16", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=ops.inva,
       pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
-      pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask)
+      pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask,
+      pasa_running=config.online_softmax == "running")
+  out = (_exact_when_needed(kernel, _score_bound(q, ops.k, ops.exp_scale))
+         if config.online_softmax == "running" else kernel())
   return nonfinite.poison(out, nonfinite.rows_reached(
       None, ops.bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
       index_mask=index_mask))
@@ -194,6 +214,8 @@ ADAPTERS = {
     "fp32": Adapter(run=_fp32, check=_check_fp32,
                     run_lse=functools.partial(_fp32, return_lse=True),
                     index_mask=True),
+    "fp16_fp32": Adapter(run=_fp16_fp32, check=_check_common,
+                         index_mask=True),
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
                     index_mask=True),
     # 128-key blocks unless asked otherwise: SageAttention2's sm90 block,
