@@ -158,11 +158,13 @@ class PasaConfig(base.MethodConfig):
       their spread, and fold the softmax scale into the keys as a power of
       two ``p`` (default True; False: every block, ``p = scale``, as
       Algorithm 1).  Needs the float32 state.
-    online_softmax: ``"running"`` (default; FlashAttention-2's form: ``P``
+    online_softmax: ``"running"`` (FlashAttention-2's form: ``P``
       against the running max, the corrections folded into it, so that
       with no block shifted the arithmetic is exactly ``fp16_fp32``'s) or
       ``"per_block"`` (Algorithm 1: ``P`` against the block's own max,
-      then scaled by ``e^{dm_j}``).  ``"running"`` needs the float32 state.
+      then scaled by ``e^{dm_j}``); None (default): ``"running"`` with the
+      float32 state, ``"per_block"`` with the float16 one, which
+      ``"running"`` does not take.
     tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
       table in :mod:`pallas_kernels.flash`); the reference ignores them and
       the Mosaic kernel refuses them.
@@ -173,7 +175,7 @@ class PasaConfig(base.MethodConfig):
   state_dtype: str = "float32"
   key_rounding: str = "sum_preserving"
   adaptive_shift: bool = True
-  online_softmax: str = "running"
+  online_softmax: str | None = None
   tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -194,7 +196,7 @@ class PasaConfig(base.MethodConfig):
       raise ValueError("adaptive_shift needs state_dtype='float32' (an "
                        "unshifted block's mean score can overflow a float16 "
                        "state); PasaConfig.algorithm1() turns both off")
-    if self.online_softmax not in ONLINE_SOFTMAXES:
+    if self.online_softmax not in (None, *ONLINE_SOFTMAXES):
       raise ValueError(f"online_softmax must be one of {ONLINE_SOFTMAXES}, "
                        f"got {self.online_softmax!r}")
     if (self.online_softmax == "running" and self.compute_dtype == "float16"
@@ -211,6 +213,14 @@ class PasaConfig(base.MethodConfig):
     nearest (the default allocation is more accurate, see the module
     docstring)."""
     return cls(**{**ALGORITHM1, **options})
+
+  @property
+  def running_softmax(self) -> bool:
+    """Whether the online softmax takes FlashAttention-2's form."""
+    if self.online_softmax is not None:
+      return self.online_softmax == "running"
+    return (self.state_dtype == "float32"
+            or self.compute_dtype != "float16")
 
   @property
   def resolved_beta(self) -> float:
@@ -448,7 +458,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
 
   init = (*base.softmax_state(t, dv, sd), jnp.zeros((t,), sd),
           jnp.zeros((t,), jnp.int32))
-  running = config.online_softmax == "running"
+  running = config.running_softmax
   (m, l, o, f, _), _ = jax.lax.scan(step_running if running else step, init,
                                     xs)
   out = base.finalize(o, l)
@@ -456,9 +466,9 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   if return_lse:
     # Scores are relative to the common reference beta F / (1 - beta) (m in
     # units of p in the per-block form).
-    m_nat = m.astype(acc) if running else res * m.astype(acc)
-    lse = (m_nat + res * inva.astype(acc) * f.astype(acc)
-           + jnp.log(l.astype(acc)))
+    lse = jnp.log(l.astype(acc)) + (
+        m.astype(acc) + res * inva.astype(acc) * f.astype(acc) if running
+        else res * (m.astype(acc) + inva.astype(acc) * f.astype(acc)))
     return out.astype(out_dtype), jnp.where(l == 0, -jnp.inf, lse).astype(
         out_dtype)
   return out.astype(out_dtype)

@@ -479,8 +479,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         def finite(m_new):
           """The max the exponents subtract: 0 for a row that has seen no
           key yet (its m stays -inf: no -inf - -inf), only in masked
-          steps (every row sees a key of an unmasked block)."""
-          if visible is None:
+          steps (every row sees a finite score of an unmasked block,
+          unless float16 scores round a whole block to -inf)."""
+          if visible is None and not f16_scores:
             return m_new
           return jnp.where(m_new == -jnp.inf, 0.0, m_new)
         if exact_exponent:

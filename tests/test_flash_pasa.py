@@ -454,6 +454,20 @@ def test_pasa_beats_fp16_fp32_on_the_papers_sweeps():
   check_sweep_ordering(sweep_errors())
 
 
+def test_online_softmax_follows_the_state_dtype():
+  """``online_softmax=None`` is the running form with the float32 state and
+  Algorithm 1's per-block form with the float16 one; the running form
+  refuses the float16 state."""
+  assert pasa.PasaConfig().running_softmax
+  assert not pasa.PasaConfig(state_dtype="float16",
+                             adaptive_shift=False).running_softmax
+  assert not pasa.PasaConfig.algorithm1().running_softmax
+  assert not pasa.PasaConfig(online_softmax="per_block").running_softmax
+  with pytest.raises(ValueError, match="needs state_dtype='float32'"):
+    pasa.PasaConfig(state_dtype="float16", adaptive_shift=False,
+                    online_softmax="running")
+
+
 def check_pasa_is_fp16_fp32(implementation, dist, am, shape):
   """PASA and fp16_fp32 give the same output, bit for bit, at x0 = 0 (see
   :func:`test_pasa_is_fp16_fp32_where_no_block_is_shifted`)."""

@@ -534,3 +534,22 @@ def test_mosaic_sage_chunks_merge_through_the_output_lse():
       *(x.astype(jnp.float32) for x in (q, k, v)))
   assert _rel(merged, exact) <= 1.2 * _rel(single, exact) + 2e-4, (
       _rel(merged, exact), _rel(single, exact))
+
+
+def test_mosaic_fp16_fp32_block_of_minus_inf_scores():
+  """fp16_fp32 rounds scores below -65504 to -inf: a first key block whose
+  scores all do so (unmasked, the row's max still -inf after it) adds
+  nothing, as in the reference, rather than -inf - -inf = NaN."""
+  q = jnp.full((1, 128, 1, 64), 40.0, jnp.float16)
+  k_far = jnp.full((1, 128, 1, 64), -40.0, jnp.float16)   # 40^2 64 > 65504
+  k_near = jax.random.normal(jax.random.key(0), (1, 128, 1, 64),
+                             jnp.float16) * 0.01
+  k = jnp.concatenate([k_far, k_near], axis=1)
+  v = jax.random.normal(jax.random.key(1), (1, 256, 1, 64), jnp.float16)
+  kw = dict(method="fp16_fp32")
+  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
+                                      **kw)
+  assert bool(jnp.isfinite(ref).all())
+  assert bool(jnp.isfinite(out).all())
+  assert _rel(out, ref) < TOL, _rel(out, ref)

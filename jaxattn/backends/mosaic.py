@@ -109,9 +109,12 @@ def _exact_when_needed(kernel, score_bound):
 
 
 def _score_bound(q, k, exp_factor):
-  """A bound on ``|S * c|`` from the inputs' amax (``exp_factor``: the
-  softmax scale times ``c``'s part from natural log to base 2)."""
-  amax = lambda x: jnp.max(jnp.abs(x)).astype(jnp.float32)
+  """A bound on ``|S * c|`` from the inputs' amax over their finite values
+  (``exp_factor``: the softmax scale; times log2 e here), so that one
+  NaN/Inf, which poisons its own rows anyway, does not change the path the
+  others take."""
+  amax = lambda x: jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0)).astype(
+      jnp.float32)
   return amax(q) * amax(k) * (q.shape[-1] * abs(exp_factor) * base.LOG2E)
 
 
@@ -139,8 +142,8 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   """PASA's keys shifted once per block (as for the Triton kernel), then
   its softmax in the kernel (``S'``, ``P`` float16, the state in
   ``config.state_dtype``); float16 output.  The running form takes the
-  exact exponent where ``fp16_fp32`` would, from the same bound (``|q K'|
-  scale / p`` is ``|q K| scale`` for unshifted keys)."""
+  exact exponent where ``fp16_fp32`` would (``|q K'| scale / p`` is ``|q
+  K| scale`` for unshifted keys) or its own scores need it."""
   del bias, mask
   f16 = jnp.float16
   q = q.astype(f16)
@@ -152,9 +155,13 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=ops.inva,
       pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
       pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask,
-      pasa_running=config.online_softmax == "running")
-  out = (_exact_when_needed(kernel, _score_bound(q, ops.k, ops.exp_scale))
-         if config.online_softmax == "running" else kernel())
+      pasa_running=config.running_softmax)
+  # the bound of fp16_fp32 on the same call too (its keys past kv_lens are
+  # not PASA's fill), so that the two take the same path where they agree
+  bound = jnp.maximum(_score_bound(q, ops.k, ops.exp_scale),
+                      _score_bound(q, k.astype(f16), scale))
+  out = (_exact_when_needed(kernel, bound) if config.running_softmax
+         else kernel())
   return nonfinite.poison(out, nonfinite.rows_reached(
       None, ops.bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
       index_mask=index_mask))

@@ -97,7 +97,7 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       state_dtype=config.state_dtype, return_lse=return_lse,
       index_mask=index_mask, pasa_exp_scale=ops.exp_scale,
       pasa_shifted=ops.shifted,
-      pasa_running=config.online_softmax == "running")
+      pasa_running=config.running_softmax)
   out = nonfinite.poison(outs[0] if return_lse else outs,
                          nonfinite.rows_reached(
                              None, ops.bad_kv, mask, kv_lens,
