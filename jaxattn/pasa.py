@@ -383,6 +383,12 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
       k, kv_len, beta=beta, scale=scale, block_k=bk, compute_dtype=cd,
       key_rounding=config.key_rounding, adaptive=config.adaptive_shift)
 
+  def block_scores(x):
+    """Steps 1-2's inputs: ``Sbar'``, the float32 product's row mean over
+    all ``s2`` columns, and ``S'`` as it leaves the matmul in fp16."""
+    s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
+    return (s_acc.sum(axis=-1) / bk).astype(sd), s_acc.astype(cd)
+
   def corrections(x, s_mean, seen, f, count):
     """Steps 3-4: the new ``F`` and block count, and the corrections
     ``dm'_{j-1}``, ``dm'_j`` (in the units of ``S'``).  A row that sees no
@@ -405,9 +411,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     arithmetic op for op (``res S'`` equals ``scale S`` exactly, ``p``
     being a power of two)."""
     m, l, o, f, count = carry
-    s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
-    s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
-    s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
+    s_mean, s = block_scores(x)
     u = s.astype(sd) * jnp.asarray(res, sd)   # scaled scores, minus beta F
     if "bias" in x:
       u = u + x["bias"].astype(sd)
@@ -429,9 +433,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     """Steps 1-6 as Algorithm 1 states them: ``P`` against the block's own
     max, the block's ``l'`` and ``P V`` then scaled by ``e^{dm_j}``."""
     m, l, o, f, count = carry
-    s_acc = jnp.dot(q, x["k"].T, preferred_element_type=acc)
-    s_mean = (s_acc.sum(axis=-1) / bk).astype(sd)           # step 2
-    s = s_acc.astype(cd)                    # S' leaves the matmul in fp16
+    s_mean, s = block_scores(x)
     if "bias" in x:
       b = x["bias"] if res == 1.0 else x["bias"] * jnp.float32(1.0 / res)
       s = s + b.astype(cd)

@@ -113,7 +113,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     block count and ``dm'_{j-1}, dm'_j``; a row that sees no key of the
     block (``seen`` False; None: every row sees one) keeps ``F``."""
     inva = jnp.asarray(scale, stat)
-    moved = None if seen is None else seen
+    moved = seen
     if has_shifted:   # an unshifted block adds no Sbar' to F
       shifted = shifted_ref[j] > 0.0
       moved = shifted if moved is None else moved & shifted
@@ -282,6 +282,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
   if precision not in PRECISIONS:
     raise ValueError(f"precision must be one of {PRECISIONS}, got "
                      f"{precision!r}")
+  if pasa_running and jnp.dtype(state_dtype) != jnp.float32:
+    raise ValueError("PASA's running online softmax needs the float32 state")
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
   group = n // nk
@@ -336,8 +338,6 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       state_dtype=jnp.dtype(state_dtype).name,
       pasa_exp_scale=float(pasa_exp_scale),
       has_shifted=pasa_shifted is not None, pasa_running=bool(pasa_running))
-  if pasa_running and jnp.dtype(state_dtype) != jnp.float32:
-    raise ValueError("PASA's running online softmax needs the float32 state")
   outs = pl.pallas_call(
       kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,
