@@ -4,7 +4,9 @@ against cuDNN bfloat16 in the same process (H100 numbers in docs/design.md).
   python benchmarks/pasa_allocations.py OUT.json
 
 Allocations: the default (float32 state, sum-preserving keys, adaptive
-shift, FlashAttention-2's online softmax), the same with Algorithm 1's
+shift, FlashAttention-2's online softmax, the keys' scale chosen per call),
+the same with the scale always in the keys (no per-call choice: the
+default's cost of that choice), the same with Algorithm 1's
 per-block softmax, the same without the adaptive shift, and the paper's
 Algorithm 1; then the ``fp32`` and ``fp16_fp32`` methods on the same
 kernel, the baselines of PASA's speed.  Rows: ``keys`` is :func:`jaxattn.operands.
@@ -24,7 +26,8 @@ import jaxattn
 from jaxattn import api, base, data, operands, pasa
 from jaxattn.tuning import time_call
 
-ALLOCATIONS = {"default": {}, "per_block": {"online_softmax": "per_block"},
+ALLOCATIONS = {"default": {}, "scale_in_keys": {"scale_in_keys": True},
+               "per_block": {"online_softmax": "per_block"},
                "not_adaptive": {"adaptive_shift": False},
                "algorithm1": pasa.ALGORITHM1}
 

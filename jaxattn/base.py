@@ -252,6 +252,14 @@ def exp_f32(x, acc=jnp.float32, scale: float = 1.0):
   return jnp.exp2(x.astype(acc) * jnp.asarray(scale * LOG2E, acc))
 
 
+def max_row_norm(x) -> jax.Array:
+  """``max_i |x_i|`` (Euclidean norms over the last axis) in float32, of
+  ``x``'s finite entries: a NaN/Inf poisons its own rows anyway, and must
+  not change a path that the others take."""
+  x = jnp.where(jnp.isfinite(x), x, 0).astype(jnp.float32)
+  return jnp.sqrt(jnp.max(jnp.sum(x * x, axis=-1)))
+
+
 def default_scale(head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim)
 

@@ -575,6 +575,8 @@ class PasaOperands:
 
   Attributes:
     k: float16 shifted keys ``[B, S_pad, K, D]`` times ``key_factor``
+      (``config.scale_in_keys`` None counts as True: the callers settle it
+      per call, :func:`jaxattn.pasa.with_key_factor`)
       (``S_pad`` a whole number of ``block_k`` blocks).
     v: V without NaN/Inf (copied only when it holds one).
     inva: the kernels' constant ``fl16(beta / (1 - beta))``.
@@ -607,7 +609,7 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
                      f"{config.compute_dtype}")
   beta = config.resolved_beta
   adaptive = config.adaptive_shift
-  factor = pasa.key_factor(scale, adaptive)
+  factor = pasa.key_factor(scale, adaptive, config.scale_in_keys)
   shift = (key_shift.large_mean_blocks(k, kv_lens, beta=beta,
                                        min_ratio=pasa.SHIFT_MIN_RATIO,
                                        block_k=config.block_k)

@@ -43,6 +43,13 @@ Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
   (keys of mean 0) it would only round every key once more than
   ``fp16_fp32`` does.  An unshifted block contributes no correction
   (``dm'_j = -inva F_j``) and no ``Sbar'`` to ``F``.
+* ``scale_in_keys=None``: the power of two ``p`` is folded into the keys
+  only where the call needs it.  ``p < 1`` is what keeps the float16
+  scores of large inputs finite, but it rounds key entries below
+  ``2^-14 / p`` to float16 subnormals; where a bound from the call's Q and
+  K row norms (:func:`unscaled_keys_fit`) shows that no score can reach
+  float16's limit with ``p = 1``, the keys stay exact and the exponent
+  takes the whole ``scale`` (:func:`with_key_factor`, one ``lax.cond``).
 * ``online_softmax="running"``: FlashAttention-2's form of the online
   softmax, ``P = exp(scale/p S' + dm_j - m_j)`` against the running max
   (which the corrections move), where Algorithm 1 takes ``exp(S' - m')``
@@ -51,7 +58,7 @@ Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
   block shifted) the arithmetic is ``fp16_fp32``'s op for op, and the
   kernels accumulate ``P V`` in the tensor cores as for ``fp16_fp32``.
 
-The default uses all four; ``docs/design.md`` has the sweeps behind it.
+The default uses all five; ``docs/design.md`` has the sweeps behind it.
 
 Decisions beyond the paper (documented in the README):
 
@@ -92,12 +99,18 @@ DEFAULT_BETA0 = 1.0 - 2.0**-6
 KEY_ROUNDINGS = ("sum_preserving", "nearest")
 # The options that make PasaConfig the paper's Algorithm 1 literally.
 ALGORITHM1 = {"state_dtype": "float16", "key_rounding": "nearest",
-              "adaptive_shift": False, "online_softmax": "per_block"}
+              "adaptive_shift": False, "online_softmax": "per_block",
+              "scale_in_keys": True}
 ONLINE_SOFTMAXES = ("running", "per_block")
 # A block is shifted when |c| > SHIFT_MIN_RATIO |A| (block_shifted); the
 # keys' factor p <= scale / (1 + SHIFT_MIN_RATIO) then keeps every block's
 # float16 scores within the paper's bound (README, "PASA's bound").
 SHIFT_MIN_RATIO = 0.25
+# The most a float16 score S' may reach, by the bound of unscaled_keys_fit,
+# for keys without the softmax scale: float16's largest finite value less
+# a margin for the rounding of the shifted keys (at most one ulp each
+# with sum-preserving rounding) and of the float32 product.
+UNSCALED_SCORE_LIMIT = 65504.0 / (1.0 + 2.0 ** -8)
 
 
 def _invariance(beta: float, n: int, dtype) -> float:
@@ -165,6 +178,14 @@ class PasaConfig(base.MethodConfig):
       then scaled by ``e^{dm_j}``); None (default): ``"running"`` with the
       float32 state, ``"per_block"`` with the float16 one, which
       ``"running"`` does not take.
+    scale_in_keys: whether the softmax scale, as the power of two ``p``
+      of :func:`key_factor`, is folded into the shifted keys: True (the
+      paper; what keeps large inputs' float16 scores finite), False
+      (``p = 1``: the keys exact, the exponent takes all of ``scale``; the
+      float16 scores are ``1 / p`` times larger), or None (default): per
+      call, False where :func:`unscaled_keys_fit` shows that no score can
+      overflow without it, else True (with the adaptive shift; without
+      it, True).
     tile_q, num_warps, num_stages: Triton kernel knobs (None = the tuned
       table in :mod:`pallas_kernels.flash`); the reference ignores them and
       the Mosaic kernel refuses them.
@@ -176,6 +197,7 @@ class PasaConfig(base.MethodConfig):
   key_rounding: str = "sum_preserving"
   adaptive_shift: bool = True
   online_softmax: str | None = None
+  scale_in_keys: bool | None = None
   tile_q: int | None = None
   num_warps: int | None = None
   num_stages: int | None = None
@@ -204,6 +226,9 @@ class PasaConfig(base.MethodConfig):
       raise ValueError("online_softmax='running' needs state_dtype="
                        "'float32' (its max carries the corrections); "
                        "PasaConfig.algorithm1() sets 'per_block'")
+    if self.scale_in_keys not in (None, True, False):
+      raise ValueError("scale_in_keys must be True, False or None, got "
+                       f"{self.scale_in_keys!r}")
     if self.beta is not None and not 0.0 <= self.beta < 1.0:
       raise ValueError(f"beta must be in [0, 1), got {self.beta}")
 
@@ -275,11 +300,15 @@ def _sum_preserving_round(x, dtype, rounds: int = 2):
   return r
 
 
-def key_factor(scale: float, adaptive: bool) -> float:
+def key_factor(scale: float, adaptive: bool,
+               scale_in_keys: bool | None = True) -> float:
   """The factor ``p`` folded into the shifted keys: ``scale`` (Algorithm 1),
   or with ``adaptive`` the largest power of two ``<= scale / (1 +
-  SHIFT_MIN_RATIO)``, which multiplies float16 keys exactly; the exponent
-  then takes ``scale / p`` (the kernels' ``exp2`` factor)."""
+  SHIFT_MIN_RATIO)``, which multiplies float16 keys exactly; 1 where
+  ``scale_in_keys`` is False (None counts as True).  The exponent then
+  takes ``scale / p`` (the kernels' ``exp2`` factor)."""
+  if scale_in_keys is False:
+    return 1.0
   if not adaptive:
     return float(scale)
   return float(2.0 ** math.floor(math.log2(abs(scale)
@@ -314,10 +343,39 @@ def block_shifted(kb, beta: float, axis=-2):
           > jnp.float32(SHIFT_MIN_RATIO ** 2) * (a * a).sum(axis=-1))
 
 
+def unscaled_keys_fit(q_norm, k_norm, beta: float) -> jax.Array:
+  """Whether keys with no scale folded in (``p = 1``) keep every float16
+  score ``S' = q . k'`` of a call finite, from the row norms' maxima
+  (:func:`jaxattn.base.max_row_norm`): ``|q . k'| <= |q| |k'|`` (Cauchy-Schwarz), and
+  a shifted key ``k - beta mean(K_j)`` has a norm of at most ``(1 + beta)
+  max |k|``; both below :data:`UNSCALED_SCORE_LIMIT`.  bool scalar."""
+  k_bound = (1.0 + beta) * k_norm
+  return ((q_norm * k_bound <= UNSCALED_SCORE_LIMIT)
+          & (k_bound <= UNSCALED_SCORE_LIMIT))
+
+
+def with_key_factor(run, q_norm, k_norm, config):
+  """``run(config)`` with ``config.scale_in_keys`` settled for the call:
+  as given, or (None, with the adaptive shift) ``lax.cond`` on
+  :func:`unscaled_keys_fit` of the largest row norms of Q and K in the
+  compute dtype (:func:`jaxattn.base.max_row_norm`) between
+  ``scale_in_keys=False`` and ``True``.  The choice is per call (per
+  shard under sharding): ``run`` is traced once for each."""
+  settle = lambda x: dataclasses.replace(config, scale_in_keys=x)
+  if config.scale_in_keys is not None:
+    return run(config)
+  if not config.adaptive_shift:
+    return run(settle(True))
+  return jax.lax.cond(
+      unscaled_keys_fit(q_norm, k_norm, config.resolved_beta),
+      lambda: run(settle(False)), lambda: run(settle(True)))
+
+
 def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
-               compute_dtype, key_rounding: str, adaptive: bool = False):
+               compute_dtype, key_rounding: str, adaptive: bool = False,
+               scale_in_keys: bool | None = True):
   """PASA's key pre-processing: ``K'_j = p * (M^T K_j)`` per key block
-  (``p = key_factor(scale, adaptive)``); with ``adaptive`` a block that
+  (``p = key_factor(scale, adaptive, scale_in_keys)``); with ``adaptive`` a block that
   :func:`block_shifted` leaves is ``p K_j``, exact.
 
   Args:
@@ -332,7 +390,7 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
   """
   cd = jnp.dtype(compute_dtype)
   acc = jnp.float64 if cd == jnp.float64 else jnp.float32
-  p = key_factor(scale, adaptive)
+  p = key_factor(scale, adaptive, scale_in_keys)
   kb = base.key_blocks(k.astype(cd), block_k)
   rows = jnp.arange(kb.shape[0] * block_k).reshape(kb.shape[0], block_k, 1)
   kb = fill_blocks(kb, rows < jnp.minimum(kv_len, k.shape[0]))
@@ -373,7 +431,8 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   inva = jnp.asarray(np.asarray(beta / (1.0 - beta), np.float64)
                      .astype(base.as_numpy_dtype(cd)), sd)
   # S' is in units of the keys' factor p; the exponent takes scale / p
-  res = scale / key_factor(scale, config.adaptive_shift)
+  res = scale / key_factor(scale, config.adaptive_shift,
+                           config.scale_in_keys)
   exp = functools.partial(base.exp_f32, acc=acc, scale=res)
   q, v = q.astype(cd), v.astype(cd)
   t, dv = q.shape[0], v.shape[-1]
@@ -381,7 +440,8 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
                          is_causal=is_causal)
   xs["k"], xs["shifted"] = shift_keys(
       k, kv_len, beta=beta, scale=scale, block_k=bk, compute_dtype=cd,
-      key_rounding=config.key_rounding, adaptive=config.adaptive_shift)
+      key_rounding=config.key_rounding, adaptive=config.adaptive_shift,
+      scale_in_keys=config.scale_in_keys)
 
   def block_scores(x):
     """Steps 1-2's inputs: ``Sbar'``, the float32 product's row mean over
@@ -476,9 +536,20 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   return out.astype(out_dtype)
 
 
-reference = base.vmap_heads(pasa_head)
+_heads = base.vmap_heads(pasa_head)
+
+
+def reference(q, k, v, bias, mask, kv_lens, *, config, **options):
+  """:func:`pasa_head` over batch and heads, the keys' factor chosen per
+  call (:func:`with_key_factor`) as the kernels choose it."""
+  cd = jnp.dtype(config.compute_dtype)
+  return with_key_factor(
+      lambda c: _heads(q, k, v, bias, mask, kv_lens, config=c, **options),
+      base.max_row_norm(q.astype(cd)), base.max_row_norm(k.astype(cd)),
+      config)
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "key_factor",
+           "unscaled_keys_fit", "with_key_factor",
            "fill_blocks", "block_shifted", "shift_keys",
            "pasa_head", "reference"]

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn import data, metrics, pasa
+from jaxattn import base, data, metrics, pasa
 from jaxattn.metrics import exact_attention as textbook
 
 F32 = np.float32
@@ -430,14 +430,14 @@ def sweep_errors(implementation="reference", shape=(1, 512, 2, 128)):
 def check_sweep_ordering(errors):
   """The assertions of :func:`test_pasa_beats_fp16_fp32_on_the_papers_sweeps`
   (also run on the GPU kernels by tests/test_gpu_mosaic.py): PASA's error
-  at most 0.6x fp16_fp32's at a non-zero mean, at most equal at x0 = 0."""
+  at most 0.6x fp16_fp32's at a non-zero mean, equal at x0 = 0."""
   assert len(errors) == 13, sorted(errors)   # 4 points have no finite row
   worse_literal = 0
   for (dist, x0, am), e in errors.items():
-    # x0 = 0: no block is shifted and PASA is fp16_fp32's arithmetic;
-    # elsewhere the shift removes most of the error
-    bound = 0.6 if x0 != 0 else 1.0
-    assert e["pasa"] <= bound * e["fp16_fp32"], (dist, x0, am, e)
+    if x0 == 0:  # no block shifted, exact keys: fp16_fp32's arithmetic
+      assert e["pasa"] == e["fp16_fp32"], (dist, x0, am, e)
+    else:        # the shift removes most of the error
+      assert e["pasa"] <= 0.6 * e["fp16_fp32"], (dist, x0, am, e)
     worse_literal += e["algorithm1"] > e["fp16_fp32"]
   assert worse_literal >= 9, worse_literal
 
@@ -446,8 +446,9 @@ def test_pasa_beats_fp16_fp32_on_the_papers_sweeps():
   """The default allocation (float32 state, sum-preserving keys, adaptive
   shift, running online softmax) is at least as accurate as fp16_fp32 at
   every point of Figures 9 and 10, with no NaN anywhere: measured 0.04x to
-  0.41x of its error with a non-zero mean, and equal at x0 = 0, where no
-  block is shifted and PASA computes fp16_fp32's arithmetic
+  0.41x of its error with a non-zero mean, and the same at x0 = 0, where
+  no block is shifted, the keys keep no scale, and PASA computes
+  fp16_fp32's arithmetic
   (:func:`test_pasa_is_fp16_fp32_where_no_block_is_shifted`).  Algorithm 1 literally
   (float16 state) loses to fp16_fp32 at 11 of the 13 points (the paper's
   Figure 9b says otherwise)."""
@@ -473,14 +474,12 @@ def check_pasa_is_fp16_fp32(implementation, dist, am, shape):
   :func:`test_pasa_is_fp16_fp32_where_no_block_is_shifted`)."""
   q, k, v = data.pasa_case(jax.random.key(7), dict(dist=dist, x0=0.0, am=am),
                            shape)
-  p = pasa.key_factor(shape[-1] ** -0.5, adaptive=True)
-  k = jnp.where(jnp.abs(k) < 2.0 ** -14 / p, 0.0, k).astype(k.dtype)
   run = functools.partial(jaxattn.dot_product_attention,
                           implementation=implementation)
   for causal in (False, True):
-    base = np.asarray(run(q, k, v, method="fp16_fp32", is_causal=causal))
+    want = np.asarray(run(q, k, v, method="fp16_fp32", is_causal=causal))
     out = np.asarray(run(q, k, v, method="pasa", is_causal=causal))
-    np.testing.assert_array_equal(out, base)
+    np.testing.assert_array_equal(out, want)
   per_block = np.asarray(run(q, k, v, method="pasa",
                              online_softmax="per_block"))
   assert (per_block != np.asarray(run(q, k, v, method="fp16_fp32"))).any()
@@ -491,13 +490,58 @@ def check_pasa_is_fp16_fp32(implementation, dist, am, shape):
 def test_pasa_is_fp16_fp32_where_no_block_is_shifted(implementation, dist,
                                                      am):
   """At x0 = 0 the adaptive shift moves no key block, every correction is
-  0, and PASA's running online softmax is fp16_fp32's arithmetic op for
-  op: the same output, bit for bit, on every backend (causal and not, a
-  length that is not a whole block).  The keys ``p K`` are exact in
-  float16 but for entries below ``2^-14 / p`` (float16's subnormals),
-  which are set to 0 here.  Algorithm 1's per-block softmax is not
+  0, these scores cannot overflow so the keys keep no scale (exact), and
+  PASA's running online softmax is fp16_fp32's arithmetic op for op: the
+  same output, bit for bit, on every backend (causal and not, a length
+  that is not a whole block).  Algorithm 1's per-block softmax is not
   identical."""
   check_pasa_is_fp16_fp32(implementation, dist, am, (1, 320, 2, 128))
+
+
+def test_unscaled_keys_fit_bounds_the_scores():
+  """p = 1 only where |q| (1 + beta) max|k| stays below the limit (and the
+  shifted keys themselves do); a NaN/Inf does not count."""
+  beta = pasa.PasaConfig().resolved_beta
+  lim = pasa.UNSCALED_SCORE_LIMIT
+  fit = lambda qn, kn: bool(pasa.unscaled_keys_fit(qn, kn, beta))
+  assert fit(1.0, lim / (1 + beta)) and not fit(1.0, 1.001 * lim / (1 + beta))
+  assert fit(1e-3, 0.9 * lim / (1 + beta))
+  assert not fit(1e-3, 1.1 * lim / (1 + beta))   # k' itself overflows
+  assert fit(100.0, 0.99 * lim / 100 / (1 + beta))
+  assert not fit(100.0, 1.01 * lim / 100 / (1 + beta))
+  x = jnp.asarray([[3.0, 4.0], [jnp.inf, 1e4], [jnp.nan, 0.0]], jnp.float16)
+  assert float(base.max_row_norm(x)) == 1e4
+  with pytest.raises(ValueError, match="scale_in_keys"):
+    pasa.PasaConfig(scale_in_keys="auto")
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton", "mosaic"])
+def test_keys_keep_the_scale_only_where_scores_could_overflow(implementation):
+  """``scale_in_keys=None`` is ``False`` (exact keys) on ordinary inputs
+  and ``True`` where a float16 score could overflow without the scale:
+  Q = K = 300 (the bound test's finite case) gives float32 attention's
+  result, where keys without the scale are all-NaN (shifted scores
+  (1 - beta) 300^2 128 = 1.8e5).  Key entries below 2^-10 (float16
+  subnormals once scaled by p = 2^-4) make the two choices differ on
+  ordinary inputs."""
+  run = functools.partial(jaxattn.dot_product_attention, method="pasa",
+                          implementation=implementation)
+  q, k, v = data.pasa_case(jax.random.key(1), dict(dist="hybrid", x0=0.0,
+                                                   am=10.0), (1, 192, 2, 64))
+  k = k.at[:, ::3, :, ::5].set(3e-4)
+  auto = np.asarray(run(q, k, v, is_causal=True))
+  exact = np.asarray(run(q, k, v, is_causal=True, scale_in_keys=False))
+  scaled = np.asarray(run(q, k, v, is_causal=True, scale_in_keys=True))
+  np.testing.assert_array_equal(auto, exact)
+  assert (scaled != exact).any()
+  v = jax.random.normal(jax.random.key(2), (1, 256, 1, 64), jnp.float16)
+  big = jnp.full((1, 256, 1, 64), 300.0, jnp.float16)
+  want = np.broadcast_to(np.asarray(v, np.float32).mean(1, keepdims=True),
+                         (1, 256, 1, 64))
+  np.testing.assert_allclose(np.asarray(run(big, big, v), np.float32), want,
+                             atol=2e-3)
+  assert np.isnan(np.asarray(run(big, big, v, scale_in_keys=False),
+                             np.float32)).all()
 
 
 # ----------------------------------------------------------------------------

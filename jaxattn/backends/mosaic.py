@@ -26,7 +26,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import base, fmha, nonfinite, operands
+from jaxattn import base, fmha, nonfinite, operands, pasa
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -108,14 +108,13 @@ def _exact_when_needed(kernel, score_bound):
                   functools.partial(kernel, exact_exponent=True))
 
 
-def _score_bound(q, k, exp_factor):
-  """A bound on ``|S * c|`` from the inputs' amax over their finite values
-  (``exp_factor``: the softmax scale; times log2 e here), so that one
-  NaN/Inf, which poisons its own rows anyway, does not change the path the
-  others take."""
-  amax = lambda x: jnp.max(jnp.where(jnp.isfinite(x), jnp.abs(x), 0)).astype(
-      jnp.float32)
-  return amax(q) * amax(k) * (q.shape[-1] * abs(exp_factor) * base.LOG2E)
+def _score_bound(q_norm, k_norm, exp_factor):
+  """A bound on ``|S * c|`` from the largest row norms of Q and K
+  (:func:`jaxattn.base.max_row_norm`, over their finite values, so that
+  one NaN/Inf, which poisons its own rows anyway, does not change the path
+  the others take): ``|q . k| <= |q| |k|``; ``exp_factor`` the softmax
+  scale, times log2 e here."""
+  return q_norm * k_norm * (abs(exp_factor) * base.LOG2E)
 
 
 def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
@@ -126,7 +125,8 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
       f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
-      index_mask=index_mask), _score_bound(q, k, scale))
+      index_mask=index_mask), _score_bound(base.max_row_norm(q),
+                                           base.max_row_norm(k), scale))
 
 
 def _fp16_fp32(q, k, v, bias, mask, kv_lens, **kwargs):
@@ -147,6 +147,16 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   del bias, mask
   f16 = jnp.float16
   q = q.astype(f16)
+  norms = base.max_row_norm(q), base.max_row_norm(k.astype(f16))
+  return pasa.with_key_factor(functools.partial(
+      _pasa_keys, q, k, v, kv_lens, norms, scale=scale, is_causal=is_causal,
+      index_mask=index_mask), *norms, config)
+
+
+def _pasa_keys(q, k, v, kv_lens, norms, config, *, scale, is_causal,
+               index_mask):
+  """:func:`_pasa` with ``config.scale_in_keys`` settled."""
+  f16 = jnp.float16
   ops = operands.pasa_operands(k, v.astype(f16), kv_lens, scale=scale,
                                config=config)
   kernel = functools.partial(
@@ -156,10 +166,15 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
       pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask,
       pasa_running=config.running_softmax)
-  # the bound of fp16_fp32 on the same call too (its keys past kv_lens are
-  # not PASA's fill), so that the two take the same path where they agree
-  bound = jnp.maximum(_score_bound(q, ops.k, ops.exp_scale),
-                      _score_bound(q, k.astype(f16), scale))
+  # |S' scale / p| = |q . M^T k| scale, and a shifted key's norm is at
+  # most (1 + beta) max|k|; with no block shifted this is fp16_fp32's
+  # bound on the same call, so that the two take the same path
+  bound = _score_bound(*norms, scale)
+  if ops.shifted is None:
+    bound = bound * (1.0 + config.resolved_beta)
+  else:
+    bound = bound * jnp.where(ops.shifted.any(), 1.0 + config.resolved_beta,
+                              1.0)
   out = (_exact_when_needed(kernel, bound) if config.running_softmax
          else kernel())
   return nonfinite.poison(out, nonfinite.rows_reached(

@@ -23,7 +23,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxattn import fmha, nonfinite, operands
+from jaxattn import base, fmha, nonfinite, operands, pasa
 from jaxattn.backends import Adapter, Call, two_stage
 from pallas_kernels import common, flash, key_shift, quantized
 
@@ -88,7 +88,19 @@ def _check_pasa(call: Call) -> None:
 def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           return_lse=False, index_mask=None):
   """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
-  kernel; a non-finite query poisons its own row there."""
+  kernel; a non-finite query poisons its own row there.  The keys' factor
+  is chosen per call (:func:`jaxattn.pasa.with_key_factor`)."""
+  f16 = jnp.float16
+  return pasa.with_key_factor(functools.partial(
+      _pasa_keys, q, k, v, bias, mask, kv_lens, scale=scale,
+      is_causal=is_causal, return_lse=return_lse, index_mask=index_mask),
+      base.max_row_norm(q.astype(f16)), base.max_row_norm(k.astype(f16)),
+      config)
+
+
+def _pasa_keys(q, k, v, bias, mask, kv_lens, config, *, scale, is_causal,
+               return_lse, index_mask):
+  """:func:`_pasa` with ``config.scale_in_keys`` settled."""
   ops = operands.pasa_operands(k, v, kv_lens, scale=scale, config=config)
   outs = flash.flash_attention(
       q, ops.k, ops.v, kv_lens, bias, mask, scale=ops.inva,
