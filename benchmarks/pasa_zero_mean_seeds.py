@@ -1,7 +1,9 @@
 """PASA against fp16_fp32 at the x0 = 0 points of the PASA paper's Figures 9
 and 10, over several draws of the inputs (docs/design.md, "PASA").
 
-  python benchmarks/pasa_zero_mean_seeds.py OUT.json [SEEDS]
+  python benchmarks/pasa_zero_mean_seeds.py OUT.json [SEEDS] [DIST ...]
+
+(DIST: ``uniform`` and/or ``hybrid``; default both.)
 
 At x0 = 0 the adaptive shift moves no key block, and PASA's default online
 softmax (``online_softmax="running"``) is then fp16_fp32's arithmetic.  This
@@ -24,12 +26,13 @@ POINTS = (("uniform", 0.0, 0.5), ("hybrid", 0.0, 10.0))
 SHAPE = (1, 1280, 16, 128)
 
 
-def main(out_path, seeds=8):
+def main(out_path, seeds=8, dists=None):
+  points = [p for p in POINTS if not dists or p[0] in dists]
   impls = (["mosaic", "triton"] if api.BACKENDS["mosaic"].native()
            else ["triton"] if api.BACKENDS["triton"].native()
            else ["reference"])
   rows = []
-  for dist, x0, am in POINTS:
+  for dist, x0, am in points:
     for seed in range(seeds):
       q, k, v = data.pasa_case(jax.random.key(seed),
                                dict(dist=dist, x0=x0, am=am), SHAPE)
@@ -55,7 +58,7 @@ def main(out_path, seeds=8):
               f"(outputs differ at {differ:.2e}); per_block ratio "
               f"{eb / e16:.5f}", flush=True)
   summary = {}
-  for dist, x0, am in POINTS:
+  for dist, x0, am in points:
     for impl in impls:
       for key in ("ratio", "per_block_ratio"):
         r = [x[key] for x in rows if x["dist"] == dist and x["impl"] == impl]
@@ -73,4 +76,4 @@ def main(out_path, seeds=8):
 
 if __name__ == "__main__":
   main(sys.argv[1] if len(sys.argv) > 1 else "pasa_zero_mean_seeds.json",
-       int(sys.argv[2]) if len(sys.argv) > 2 else 8)
+       int(sys.argv[2]) if len(sys.argv) > 2 else 8, sys.argv[3:])

@@ -1,16 +1,18 @@
 """The report command on small shapes: its tables carry the papers' findings
 and its JSON is written."""
-import io
 import json
 
 from jaxattn import __main__ as cli
-from jaxattn import report
 
 
-def test_report_quick(tmp_path):
-  out = io.StringIO()
-  doc = report.run(quick=True, stream=out)
-  text = out.getvalue()
+def test_report_quick_through_the_cli(tmp_path, capsys):
+  """``python -m jaxattn report --quick --json F``: the tables printed and
+  written, with the paper's orderings."""
+  path = tmp_path / "r.json"
+  assert cli.main(["report", "--quick", "--json", str(path)]) == 0
+  text = capsys.readouterr().out
+  doc = json.loads(path.read_text())
+  assert {"pasa_table4", "sage_granularity", "int_flash"} <= set(doc)
   assert "PASA Table 4" in text and "SageAttention2" in text
   pasa = {r["case"]: r for r in doc["pasa_table4"]}
   for name, row in pasa.items():
@@ -26,11 +28,4 @@ def test_report_quick(tmp_path):
            if r["data"] == dist}
     assert (err["fp8 (FA3-style)"] > err["full-INT8, V per tensor"]
             > err["half-INT8 (fp16 PV)"])
-
-
-def test_cli_writes_json(tmp_path, capsys):
-  path = tmp_path / "r.json"
-  assert cli.main(["report", "--quick", "--json", str(path)]) == 0
-  doc = json.loads(path.read_text())
-  assert {"pasa_table4", "sage_granularity", "int_flash"} <= set(doc)
   assert cli.main(["bogus"]) == 2
