@@ -27,6 +27,9 @@ SHAPE = (1, 1280, 16, 128)
 
 
 def main(out_path, seeds=8, dists=None):
+  unknown = set(dists or ()) - {p[0] for p in POINTS}
+  if unknown:
+    raise SystemExit(f"unknown DIST {sorted(unknown)}: uniform or hybrid")
   points = [p for p in POINTS if not dists or p[0] in dists]
   impls = (["mosaic", "triton"] if api.BACKENDS["mosaic"].native()
            else ["triton"] if api.BACKENDS["triton"].native()

@@ -354,17 +354,21 @@ def unscaled_keys_fit(q_norm, k_norm, beta: float) -> jax.Array:
           & (k_bound <= UNSCALED_SCORE_LIMIT))
 
 
-def with_key_factor(run, q_norm, k_norm, config):
+def with_key_factor(run, q_norm, k_norm, config, *, has_bias=False):
   """``run(config)`` with ``config.scale_in_keys`` settled for the call:
   as given, or (None, with the adaptive shift) ``lax.cond`` on
   :func:`unscaled_keys_fit` of the largest row norms of Q and K in the
   compute dtype (:func:`jaxattn.base.max_row_norm`) between
   ``scale_in_keys=False`` and ``True``.  The choice is per call (per
-  shard under sharding): ``run`` is traced once for each."""
+  shard under sharding, so a row's last bits can depend on the other rows
+  of its call): ``run`` is traced once for each.  Algorithm 1's per-block
+  softmax adds a bias to ``S'`` in float16 in units of ``p / scale``, which
+  ``p = 1`` would make ``1 / scale`` times larger: with a bias it keeps
+  the scale (True)."""
   settle = lambda x: dataclasses.replace(config, scale_in_keys=x)
   if config.scale_in_keys is not None:
     return run(config)
-  if not config.adaptive_shift:
+  if not config.adaptive_shift or (has_bias and not config.running_softmax):
     return run(settle(True))
   return jax.lax.cond(
       unscaled_keys_fit(q_norm, k_norm, config.resolved_beta),
@@ -507,8 +511,11 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     seen = x["visible"].any(axis=-1)
     f_new, j, dmp_prev, dmp_cur = corrections(x, s_mean, seen, f, count)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)       # step 5
-    dm_prev = (m - m_new) + dmp_prev
-    dm_cur = (m_loc - m_new) + dmp_cur
+    # a row whose scores so far are all -inf (a bias of -1e5 in float16)
+    # gets 0 weights, not -inf - -inf = NaN
+    m_ref = base.safe_max(m_new)
+    dm_prev = (m - m_ref) + dmp_prev
+    dm_cur = (m_loc - m_ref) + dmp_cur
     e_prev = exp(dm_prev).astype(sd)
     e_cur = exp(dm_cur).astype(sd)
     l_new = e_prev * l + e_cur * l_loc                        # step 6
@@ -546,7 +553,7 @@ def reference(q, k, v, bias, mask, kv_lens, *, config, **options):
   return with_key_factor(
       lambda c: _heads(q, k, v, bias, mask, kv_lens, config=c, **options),
       base.max_row_norm(q.astype(cd)), base.max_row_norm(k.astype(cd)),
-      config)
+      config, has_bias=bias is not None)
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "key_factor",

@@ -21,9 +21,13 @@ every operand and result has the batch axis first, so a vmapped axis is
 folded into it.  On one device the partitioned call is inlined.
 
 Per-tensor statistics become per-shard statistics: ``fmha_int8``'s dynamic
-amax (one per batched tensor) is taken over the shard.  Every other
-quantization statistic is per (batch, head) or finer, so batch and head
-sharding give the single-device bits.
+amax (one per batched tensor) is taken over the shard, and so are the
+per-call choices of a kernel path (the exact or fused exponent on the
+Mosaic kernel, PASA's keys' factor, :func:`jaxattn.pasa.with_key_factor`),
+which can move a row's last bits where its shard's bound differs from the
+whole call's.  Every quantization statistic is per (batch, head) or finer,
+so for inputs whose rows take the same paths, batch and head sharding give
+the single-device bits.
 """
 from __future__ import annotations
 

@@ -200,8 +200,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     p = e.astype(f16)
     f_new, jn, dmp_prev, dmp_cur = corrections(j, s_mean, None, f, count)
     m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
-    dm_prev = (m - m_new) + dmp_prev
-    dm_cur = (m_loc - m_new) + dmp_cur
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new).astype(stat)
+    dm_prev = (m - m_safe) + dmp_prev
+    dm_cur = (m_loc - m_safe) + dmp_cur
     e_prev = exp_pasa(dm_prev).astype(stat)
     e_cur = exp_pasa(dm_cur).astype(stat)
     l_new = e_prev * l + e_cur * l_loc

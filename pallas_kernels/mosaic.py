@@ -235,8 +235,10 @@ def _pasa_update(state, rows, pv_blk, *, inva, exp_factor, weight):
   f_new, jn, dmp_prev, dmp_cur = _pasa_corrections(
       f, count, s_mean, inva=inva, weight=weight)
   m_new = jnp.maximum(m + dmp_prev, m_loc + dmp_cur)
-  e_prev = exp_sd((m - m_new) + dmp_prev)
-  e_cur = exp_sd((m_loc - m_new) + dmp_cur)
+  # all-(-inf) rows so far get 0 weights, not -inf - -inf = NaN
+  m_safe = jnp.where(m_new == -jnp.inf, jnp.zeros_like(m_new), m_new)
+  e_prev = exp_sd((m - m_safe) + dmp_prev)
+  e_cur = exp_sd((m_loc - m_safe) + dmp_cur)
   l_new = e_prev * l + e_cur * l_loc
   rows_of = lambda x: lax.broadcast_in_dim(x, o.shape, [0])
   o_new = rows_of(e_cur) * pv_blk.astype(sd) + rows_of(e_prev) * o

@@ -533,6 +533,92 @@ def test_keys_keep_the_scale_only_where_scores_could_overflow(implementation):
   assert (scaled != exact).any()
 
 
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_keys_without_the_scale_stay_finite_at_the_limit(implementation):
+  """The worst case of the bound: a block of keys -a 1 with one key +a 1
+  (shifted, the key's norm 0.99 (1 + beta) |k|) and q = b 1 along it, with
+  |q| (1 + beta) |k| at 0.995 and 1.01 of the limit: the first keeps no
+  scale in the keys, the second does, and both are finite and the float32
+  result (one-hot on the +a key)."""
+  beta = pasa.PasaConfig().resolved_beta
+  d = 128
+  k = np.full((1, 128, 1, d), -16.0, np.float32)
+  k[:, 0] = 16.0
+  v = np.asarray(jax.random.normal(jax.random.key(0), (1, 128, 1, d)),
+                 np.float32)
+  for frac, fits in ((0.995, True), (1.01, False)):
+    b = frac * pasa.UNSCALED_SCORE_LIMIT / (16.0 * d * (1 + beta))
+    q = jnp.full((1, 4, 1, d), b, jnp.float16)
+    kh = jnp.asarray(k, jnp.float16)
+    assert bool(pasa.unscaled_keys_fit(base.max_row_norm(q),
+                                       base.max_row_norm(kh), beta)) == fits
+    out = np.asarray(jaxattn.dot_product_attention(
+        q, kh, jnp.asarray(v, jnp.float16), method="pasa",
+        implementation=implementation), np.float32)
+    np.testing.assert_allclose(out, np.broadcast_to(v[:, :1], out.shape),
+                               atol=2e-3)
+
+
+@pytest.mark.parametrize("implementation", ["reference", "triton"])
+def test_per_block_form_with_a_bias_stays_finite(implementation):
+  """Algorithm 1's per-block softmax adds a bias in float16 units of
+  ``p / scale``: with it the keys keep the scale (``p = 1`` would turn a
+  -10000 padding bias into -inf, then NaN); and a block whose every score
+  is -inf under the bias gives its rows 0 weight, not NaN."""
+  q, k, v = (jax.random.normal(x, (1, 256, 1, 128), jnp.float16)
+             for x in jax.random.split(jax.random.key(4), 3))
+  ref = metrics.exact_attention
+  for bias_value, keys in ((-10000.0, slice(0, 128)),
+                           (6000.0, slice(5, 6)), (-1e5, slice(0, 128))):
+    bias = jnp.zeros((1, 1, 256, 256), jnp.float32).at[..., keys].set(
+        bias_value)
+    out = jaxattn.dot_product_attention(
+        q, k, v, bias=bias, method="pasa", online_softmax="per_block",
+        implementation=implementation)
+    want = ref(q, k, v, bias=bias)
+    assert metrics.nonfinite_fraction(out) == 0.0, bias_value
+    assert metrics.relative_rmse(out, want) < 1e-2, bias_value
+
+
+# ----------------------------------------------------------------------------
+# Resonance: the PASA paper's overflow mechanism.
+
+
+def test_resonance_overflows_fp16_fp32_but_not_pasa():
+  q, k, v = data.resonance(jax.random.key(0), T4_SHAPE)
+  ref = textbook(q, k, v)
+  o16 = attn(q, k, v, "fp16_fp32")
+  assert metrics.nan_fraction(o16) == 1.0      # every score > 65504
+  op = attn(q, k, v, "pasa")
+  assert metrics.nonfinite_fraction(op) == 0.0
+  # Measured 9.4e-3 (Algorithm 1 literally: 0.112): the softmax is nearly
+  # one-hot and float16 scores decide the winner; fp32 3.6e-4.
+  assert metrics.relative_rmse(op, ref) < 3e-2
+  assert metrics.relative_rmse(attn(q, k, v, "fp32"), ref) < 1e-3
+  # Out of phase the scores are ~ -4096: no overflow, no NaN.
+  q2, k2, v2 = data.resonance(jax.random.key(0), T4_SHAPE, out_of_phase=True)
+  assert metrics.nan_fraction(attn(q2, k2, v2, "fp16_fp32")) == 0.0
+
+
+@pytest.mark.parametrize("head_dim", [32, 256])
+def test_every_method_at_the_extreme_head_dims(head_dim):
+  """Head dims 32 and 256 (the supported range's ends) for every reference,
+  and the fp32 / pasa / sage kernels in interpret mode (256: padded
+  power-of-two tiles).  Bounds: ACCURACY's, doubled (one seed, fewer
+  rows; head dim changes the score spread)."""
+  kq, kk, kv = jax.random.split(jax.random.key(head_dim), 3)
+  q, k, v = (jax.random.normal(x, (1, 40, 2, head_dim), jnp.float32)
+             for x in (kq, kk, kv))
+  ref = textbook(q, k, v, is_causal=True)
+  for method in jaxattn.METHODS:
+    out = attn(q, k, v, method, is_causal=True)
+    assert metrics.relative_rmse(out, ref) < 2 * ACCURACY[method][1], method
+  for method in ("fp32", "pasa", "sage"):
+    out = jaxattn.dot_product_attention(q, k, v, method=method, is_causal=True,
+                                        implementation="triton")
+    assert metrics.relative_rmse(out, ref) < 2 * ACCURACY[method][1], method
+
+
 @pytest.mark.parametrize("implementation", ["reference", "triton", "mosaic"])
 def test_pasa_bound_and_what_lies_beyond(implementation):
   """PASA is overflow-free while every score minus beta times its key

@@ -111,7 +111,7 @@ def test_mosaic_pasa_table4_overflow(case):
 def test_pasa_kernels_beat_fp16_fp32_on_the_papers_sweeps(implementation):
   """The CPU test of the PASA allocations (tests/test_flash_pasa.py) on the
   GPU kernels at the paper's Table 4 shape: the default beats fp16_fp32 at
-  every non-zero mean of Figures 9 and 10 and is at least as accurate at
+  every non-zero mean of Figures 9 and 10 and has its error exactly at
   x0 = 0, where it computes fp16_fp32's arithmetic; Algorithm 1 mostly
   loses."""
   from test_flash_pasa import check_sweep_ordering, sweep_errors

@@ -95,7 +95,7 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       _pasa_keys, q, k, v, bias, mask, kv_lens, scale=scale,
       is_causal=is_causal, return_lse=return_lse, index_mask=index_mask),
       base.max_row_norm(q.astype(f16)), base.max_row_norm(k.astype(f16)),
-      config)
+      config, has_bias=bias is not None)
 
 
 def _pasa_keys(q, k, v, bias, mask, kv_lens, config, *, scale, is_causal,
