@@ -264,10 +264,12 @@ def _fmt(x):
   return str(x)
 
 
-def run(quick=False, implementation="reference", stream=sys.stdout,
+def run(quick=False, implementation="reference", stream=None,
         sweep=False):
-  """Computes every table (and, with ``sweep``, :func:`pasa_sweep`); returns
-  the JSON-able dict."""
+  """Computes every table (and, with ``sweep``, :func:`pasa_sweep`), printed
+  to ``stream`` (None: ``sys.stdout`` at the call, so that a redirection
+  made after import is followed); returns the JSON-able dict."""
+  stream = sys.stdout if stream is None else stream
   pasa_shape = (1, 320, 4, 128) if quick else (1, 1280, 16, 128)
   sage_shape = (1, 256, 2, 128) if quick else (1, 1024, 8, 128)
   int_shape = (1, 256, 2, 128) if quick else (1, 1024, 8, 128)
