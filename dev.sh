@@ -106,7 +106,7 @@ case "$cmd" in
     ;;
   test)
     ensure_env
-    exec "$PY" -m pytest -n 2 --dist worksteal -m "not gpu" -q "$@"
+    exec "$PY" -m pytest -n 2 -m "not gpu" -q "$@"
     ;;
   gpu-test)
     ensure_env
