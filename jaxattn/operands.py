@@ -575,9 +575,9 @@ class PasaOperands:
 
   Attributes:
     k: float16 shifted keys ``[B, S_pad, K, D]`` times ``key_factor``
-      (``config.scale_in_keys`` None counts as True: the callers settle it
-      per call, :func:`jaxattn.pasa.with_key_factor`)
-      (``S_pad`` a whole number of ``block_k`` blocks).
+      (``S_pad`` a whole number of ``block_k`` blocks; ``scale_in_keys``
+      None counts as True: the callers settle it per call,
+      :func:`jaxattn.pasa.with_key_factor`).
     v: V without NaN/Inf (copied only when it holds one).
     inva: the kernels' constant ``fl16(beta / (1 - beta))``.
     exp_scale: ``scale / key_factor``: the exponent's factor on ``S'``.

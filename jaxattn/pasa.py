@@ -346,9 +346,10 @@ def block_shifted(kb, beta: float, axis=-2):
 def unscaled_keys_fit(q_norm, k_norm, beta: float) -> jax.Array:
   """Whether keys with no scale folded in (``p = 1``) keep every float16
   score ``S' = q . k'`` of a call finite, from the row norms' maxima
-  (:func:`jaxattn.base.max_row_norm`): ``|q . k'| <= |q| |k'|`` (Cauchy-Schwarz), and
-  a shifted key ``k - beta mean(K_j)`` has a norm of at most ``(1 + beta)
-  max |k|``; both below :data:`UNSCALED_SCORE_LIMIT`.  bool scalar."""
+  (:func:`jaxattn.base.max_row_norm`): ``|q . k'| <= |q| |k'|``
+  (Cauchy-Schwarz), and a shifted key ``k - beta mean(K_j)`` has a norm of
+  at most ``(1 + beta) max |k|``; both below
+  :data:`UNSCALED_SCORE_LIMIT`.  bool scalar."""
   k_bound = (1.0 + beta) * k_norm
   return ((q_norm * k_bound <= UNSCALED_SCORE_LIMIT)
           & (k_bound <= UNSCALED_SCORE_LIMIT))
@@ -379,8 +380,8 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
                compute_dtype, key_rounding: str, adaptive: bool = False,
                scale_in_keys: bool | None = True):
   """PASA's key pre-processing: ``K'_j = p * (M^T K_j)`` per key block
-  (``p = key_factor(scale, adaptive, scale_in_keys)``); with ``adaptive`` a block that
-  :func:`block_shifted` leaves is ``p K_j``, exact.
+  (``p = key_factor(scale, adaptive, scale_in_keys)``); with ``adaptive``
+  a block that :func:`block_shifted` leaves is ``p K_j``, exact.
 
   Args:
     k: ``[S, D]`` keys of one head.

@@ -101,8 +101,8 @@ def _exact_when_needed(kernel, score_bound):
   """``kernel(exact_exponent=...)`` with the fused exponent where every
   score is within :data:`pallas_kernels.mosaic.FUSED_EXPONENT_LIMIT` (a
   bound on ``|s * c|`` in base 2, from the inputs' largest row norms or
-  the quantized operands' scales), else the exact one: huge scores never overflow P, and
-  ordinary ones keep the faster kernel."""
+  the quantized operands' scales), else the exact one: huge scores never
+  overflow P, and ordinary ones keep the faster kernel."""
   return lax.cond(score_bound <= mosaic.FUSED_EXPONENT_LIMIT,
                   functools.partial(kernel, exact_exponent=False),
                   functools.partial(kernel, exact_exponent=True))
