@@ -237,14 +237,14 @@ def quantizers_alone(d):
   return out
 
 
-def kernel_alone(causal, d):
+def kernel_alone(causal, d, variants=KERNEL_VARIANTS):
   """name -> setup(q, k, v) -> (jitted kernel, its arguments): the kernels
-  timed on pre-quantized inputs (the quantizer's time excluded), made by the
-  backends' own adapters (``prepare``, then ``kernel``), as the methods
-  run."""
+  of ``variants`` (``[(name, method, options)]``) timed on pre-quantized
+  inputs (the quantizer's time excluded), made by the backends' own
+  adapters (``prepare``, then ``kernel``), as the methods run."""
   scale = 1.0 / math.sqrt(d)
   out = {}
-  for name, method, opts in KERNEL_VARIANTS:
+  for name, method, opts in variants:
     for suffix, impl in _backends(method):
       adapter = api.BACKENDS[impl].ADAPTERS[method]
       cfg = api.config_for(method, impl, **opts)

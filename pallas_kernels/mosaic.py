@@ -102,6 +102,12 @@ HEAD_DIMS = (64, 128)
 # error passes float16 P's precision, and at ~1e9 it overflows or zeroes P.
 # Callers whose scores may exceed it take exact_exponent=True.
 FUSED_EXPONENT_LIMIT = 2.0 ** 12
+# The wgmma products ("qk": the 8-bit S, "pv": the per-block P V of 8-bit
+# PV) that accumulate into registers zeroed next to their wgmma on the GPU
+# (:func:`_fresh_accumulator`); the others, and float16 S (no faster that
+# way), into a splat of zeros.  ``benchmarks/fresh_accumulators.py`` times
+# the choices.
+FRESH_ACCUMULATORS = ("qk", "pv")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,6 +159,46 @@ def _as_8bit_operand(p):
     return mgpu.FragmentedArray(_registers=regs, _layout=layout,
                                 _is_signed=x.is_signed)
   return reinterpret(p)
+
+
+def _fresh_accumulator(shape, dtype):
+  """A zero ``shape`` float32 or int32 array in the WGMMA layout whose
+  registers are each set by their own ``mov`` right where the array is
+  made, for a wgmma to accumulate into.  Mosaic GPU's wgmma always adds to
+  its accumulator input, and a splat of 0 lets LLVM share one zero register
+  across the loop; ptxas then does not see that the product's accumulator
+  is 0 and zeroes it with a move per register every step, instead of taking
+  the wgmma form that ignores the accumulator.  The moves are opaque to
+  LLVM (inline asm with side effects), so they stay next to the wgmma,
+  where ptxas folds them into that form."""
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import llvm, vector
+
+  @plgpu.inline_mgpu(
+      return_type=plgpu.ShapeDtypeStruct(shape, dtype, plgpu.Layout.WGMMA))
+  def zeros(ctx):
+    del ctx
+    layout = mgpu.WGMMA_LAYOUT
+    if jnp.dtype(dtype) == jnp.int32:
+      elt, constraint, mov = ir.IntegerType.get_signless(32), "r", "mov.b32"
+      zero = "0"
+    else:
+      elt, constraint, mov = ir.F32Type.get(), "f", "mov.f32"
+      zero = "0f00000000"
+    vec_len = layout.vector_length
+    regs = np.empty(layout.registers_shape(shape), dtype=object)
+    for idx in np.ndindex(regs.shape):
+      struct = llvm.inline_asm(
+          llvm.StructType.get_literal([elt] * vec_len), [],
+          "\n\t".join(f"{mov} ${i}, {zero};" for i in range(vec_len)),
+          ",".join([f"={constraint}"] * vec_len), has_side_effects=True)
+      parts = [llvm.extractvalue(elt, struct, [i]) for i in range(vec_len)]
+      regs[idx] = vector.from_elements(
+          ir.VectorType.get((vec_len,), elt), parts)
+    return mgpu.FragmentedArray(
+        _registers=regs, _layout=layout,
+        _is_signed=True if jnp.dtype(dtype) == jnp.int32 else None)
+  return zeros()
 
 
 def _smem(shape, dtype):
@@ -306,7 +352,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
             has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
-            exact_exponent, return_lse):
+            exact_exponent, return_lse, fresh_accumulators):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
@@ -575,7 +621,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
           schedule_barrier()
           return acc_ref[...]
-        s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        if "qk" in fresh_accumulators:
+          def qk_state(acc_ref):
+            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            schedule_barrier()
+          s = pl.run_state(qk_state)(plgpu.ACC.init(
+              _fresh_accumulator((bq, bk), acc_type)))
+        else:
+          s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         if pasa_running:   # Sbar': the float32 product's mean, before masks
           s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
         s, c, visible = scores(s, j, masked)
@@ -615,7 +668,15 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             plgpu.wgmma(pv_ref, p_op, v_op)
             wait_next_k()
             return pv_ref[...]
-          pv_blk = pl.run_scoped(pv_scope, plgpu.ACC((bq, head_dim), pv_type))
+          if "pv" in fresh_accumulators:
+            def pv_state(pv_ref):
+              plgpu.wgmma(pv_ref, p_op, v_op)
+              wait_next_k()
+            pv_blk = pl.run_state(pv_state)(plgpu.ACC.init(
+                _fresh_accumulator((bq, head_dim), pv_type)))
+          else:
+            pv_blk = pl.run_scoped(pv_scope,
+                                   plgpu.ACC((bq, head_dim), pv_type))
           acc, m_new, l_new, pasa_state = add_block(
               (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
@@ -890,7 +951,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       fused_pv=(pv == "fp16" and not p_in_smem
                 and not (pasa and not pasa_running)),
       out_dtype=out_dtype, exact_exponent=exact_exponent,
-      return_lse=return_lse)
+      return_lse=return_lse,
+      fresh_accumulators=() if p_in_smem else tuple(
+          x for x in FRESH_ACCUMULATORS if x != "qk" or qk != "fp16"))
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
