@@ -140,14 +140,28 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   rows = pl.program_id(1) * block + jnp.arange(block)
   keep = (rows < len_ref[0])[:, None]
   x = x_ref[...].astype(jnp.float32)
+
+  def shifted(x):  # y and its rows' amax
+    y = jnp.where(keep, x, 0.0)
+    if shift:
+      y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
+    return y, jnp.abs(y).max(axis=1)
+
   if flag_nonfinite:
-    finite = jnp.isfinite(x)
-    bad_ref[...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
-    x = jnp.where(finite, x, 0.0)
-  y = jnp.where(keep, x, 0.0)
-  if shift:
-    y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
-  amax = jnp.abs(y).max(axis=1)
+    # One reduction finds both the amax and the flags: with NaN counted as
+    # inf, a row's max is inf exactly where x holds a NaN/Inf (x - shift of
+    # float16 x and a finite shift cannot overflow float32).  Only a tile
+    # with such a row takes a second pass, with them counted as 0.
+    y = x - shift_ref[...][None, :] if shift else x
+    row_max = jnp.where(y == y, jnp.abs(y), jnp.inf).max(axis=1)
+    bad_ref[...] = jnp.where(row_max == jnp.inf, 1.0, 0.0)
+    y, amax = jax.lax.cond(
+        row_max.max() == jnp.inf,
+        lambda: shifted(jnp.where(jnp.isfinite(x), x, 0.0)),
+        lambda: (jnp.where(keep, y, 0.0),
+                 jnp.where(keep[:, 0], row_max, 0.0)))
+  else:
+    y, amax = shifted(x)
   if group > 1:
     per_group = amax.reshape(block // group, group).max(axis=1)
     amax = jnp.broadcast_to(per_group[:, None],

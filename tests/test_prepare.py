@@ -189,24 +189,34 @@ def test_rows_operand_poisoned_tail_and_int4():
   assert len(np.unique(sc[0, :32, 0])) == 1 and sc[0, 0, 0] != sc[0, 32, 0]
 
 
-def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows():
+@pytest.mark.parametrize("grouped", [True, False])
+def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows(grouped):
   """``flag_nonfinite``: a NaN/Inf element quantizes (scales, values, the
-  smoothing bias) exactly as a 0 would, and only its row is flagged, in Q/K
-  (:func:`quantizers.rows_operand`) and V (``v_operand``)."""
+  smoothing bias) exactly as a 0 would, and only its row is flagged (also
+  beyond the length), in Q/K (:func:`quantizers.rows_operand`, per group
+  of 32 rows with a shift and the bias, or per row) and V (``v_operand``);
+  a tile without one takes the one-reduction path."""
   x = jax.random.normal(jax.random.key(4), (1, 200, 2, 64), jnp.float32)
-  bad = x.at[0, 37, 1, 5].set(jnp.inf).at[0, 120, 0, 0].set(jnp.nan)
-  zero = x.at[0, 37, 1, 5].set(0.0).at[0, 120, 0, 0].set(0.0)
+  bad = (x.at[0, 37, 1, 5].set(jnp.inf).at[0, 120, 0, 0].set(jnp.nan)
+         .at[0, 190, 0, 3].set(-jnp.inf))
+  zero = (x.at[0, 37, 1, 5].set(0.0).at[0, 120, 0, 0].set(0.0)
+          .at[0, 190, 0, 3].set(0.0))
   shift = jnp.full((1, 1, 2, 64), 0.25, jnp.float32)
   qm = jax.random.normal(jax.random.key(5), (1, 2, 16, 64), jnp.float32)
   want = np.zeros((1, 200, 2), bool)
-  want[0, 37, 1] = want[0, 120, 0] = True
-  kw = dict(group=32, dtype=jnp.int8, shift=shift, bias_q_mean=qm)
+  want[0, 37, 1] = want[0, 120, 0] = want[0, 190, 0] = True
+  kw = (dict(group=32, dtype=jnp.int8, shift=shift, bias_q_mean=qm)
+        if grouped else dict(group=1, dtype=jnp.float8_e4m3fn))
   got = quantizers.rows_operand(bad, jnp.array([180]), flag_nonfinite=True,
                                 **kw)
   ref = quantizers.rows_operand(zero, jnp.array([180]), **kw)
   for g, r in zip(got[:3], ref[:3]):
-    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+    if r is not None:
+      np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                    np.asarray(r, np.float32))
   np.testing.assert_array_equal(np.asarray(got[3]), want)
+  if not grouped:
+    return
   ones = jnp.ones((1, 2, 64), jnp.float32)
   vkw = dict(shift=ones * 0.5, inv_channel=ones * 3.0,
              inv_row=jnp.ones((1, 2, 200), jnp.float32),
