@@ -737,7 +737,9 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
-      plgpu.wait_smem_to_gmem(0)
+      # The CTA may exit once the stores have read shared memory; their
+      # global writes complete before the kernel does.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     @pl.when(wg == 2)
     def _producer():
