@@ -104,9 +104,9 @@ HEAD_DIMS = (64, 128)
 FUSED_EXPONENT_LIMIT = 2.0 ** 12
 # The wgmma products ("qk": the 8-bit S, "pv": the per-block P V of 8-bit
 # PV) that accumulate into registers zeroed next to their wgmma on the GPU
-# (:func:`_fresh_accumulator`); the others, and float16 S (no faster that
-# way), into a splat of zeros.  ``benchmarks/fresh_accumulators.py`` times
-# the choices.
+# (:func:`_fresh_accumulator`); the others into a splat of zeros: float16
+# S (no faster that way) and PASA's per-block float16 P V (not measured).
+# ``benchmarks/fresh_accumulators.py`` times the choices.
 FRESH_ACCUMULATORS = ("qk", "pv")
 
 
@@ -737,9 +737,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
-      # The CTA may exit once the stores have read shared memory; their
-      # global writes complete before the kernel does.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
@@ -955,7 +953,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       out_dtype=out_dtype, exact_exponent=exact_exponent,
       return_lse=return_lse,
       fresh_accumulators=() if p_in_smem else tuple(
-          x for x in FRESH_ACCUMULATORS if x != "qk" or qk != "fp16"))
+          x for x in FRESH_ACCUMULATORS
+          if (qk if x == "qk" else pv) != "fp16"))
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
