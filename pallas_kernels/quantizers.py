@@ -148,18 +148,23 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
     return y, jnp.abs(y).max(axis=1)
 
   if flag_nonfinite:
-    # One reduction finds both the amax and the flags: with NaN counted as
-    # inf, a row's max is inf exactly where x holds a NaN/Inf (x - shift of
-    # float16 x and a finite shift cannot overflow float32).  Only a tile
-    # with such a row takes a second pass, with them counted as 0.
+    # One reduction gives the amax of a tile without NaN/Inf: with NaN
+    # counted as inf, the largest row max is inf where the tile holds one
+    # (or where x - shift overflows, for float32 inputs).  Only such a tile
+    # takes a second pass, with them counted as 0, and flags its rows.
     y = x - shift_ref[...][None, :] if shift else x
     row_max = jnp.where(y == y, jnp.abs(y), jnp.inf).max(axis=1)
-    bad_ref[...] = jnp.where(row_max == jnp.inf, 1.0, 0.0)
-    y, amax = jax.lax.cond(
-        row_max.max() == jnp.inf,
-        lambda: shifted(jnp.where(jnp.isfinite(x), x, 0.0)),
+
+    def second_pass():
+      finite = jnp.isfinite(x)
+      return (*shifted(jnp.where(finite, x, 0.0)),
+              jnp.where(finite, 0.0, 1.0).max(axis=1))
+
+    y, amax, bad_ref[...] = jax.lax.cond(
+        row_max.max() == jnp.inf, second_pass,
         lambda: (jnp.where(keep, y, 0.0),
-                 jnp.where(keep[:, 0], row_max, 0.0)))
+                 jnp.where(keep[:, 0], row_max, 0.0),
+                 jnp.zeros_like(row_max)))
   else:
     y, amax = shifted(x)
   if group > 1:

@@ -231,6 +231,21 @@ def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows(grouped):
                                 want.transpose(0, 2, 1))
 
 
+def test_rows_operand_flags_only_nonfinite_inputs():
+  """A float32 row whose ``x - shift`` overflows holds no NaN/Inf: it is not
+  flagged (as :func:`jaxattn.nonfinite.row_flags` would not), and it
+  quantizes as without ``flag_nonfinite``."""
+  x = jax.random.normal(jax.random.key(6), (1, 64, 1, 32), jnp.float32)
+  x = x.at[0, 11, 0, 2].set(3e38)
+  shift = jnp.full((1, 1, 1, 32), -1e38, jnp.float32)
+  kw = dict(group=1, dtype=jnp.int8, shift=shift)
+  got = quantizers.rows_operand(x, jnp.array([64]), flag_nonfinite=True, **kw)
+  ref = quantizers.rows_operand(x, jnp.array([64]), **kw)
+  for g, r in zip(got[:2], ref[:2]):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  assert not np.asarray(got[3]).any()
+
+
 def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
   """quant.reciprocal corrects the division by up to two ulps with an exact
   integer midpoint test: XLA's float32 division on the GPU is not correctly
