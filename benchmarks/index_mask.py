@@ -97,9 +97,13 @@ def kernels_alone(method, impl, x, w, iters, reps):
     ops = jax.block_until_ready(jax.jit(functools.partial(
         adapter.prepare, scale=scale, config=cfg, segments=segs))(
             q, k, v, lens))
-    fn = jax.jit(lambda ops, lens, index_mask=index_mask: adapter.kernel(
-        ops, lens, is_causal=True, config=cfg, out_dtype=jnp.float16,
-        index_mask=index_mask))
+    # (per-segment V scales leave the output's row scale to the epilogue,
+    # which takes float32 from the kernel, as the method's run does)
+    out_dtype = (jnp.float32 if getattr(ops, "out_row_scale", None)
+                 is not None else jnp.float16)
+    fn = jax.jit(lambda ops, lens, index_mask=index_mask, dt=out_dtype:
+                 adapter.kernel(ops, lens, is_causal=True, config=cfg,
+                                out_dtype=dt, index_mask=index_mask))
     out.append(time_call(fn, (ops, lens), iters, reps))
   return tuple(out)
 
@@ -143,13 +147,13 @@ def main(argv=None):
         t_full = time_call(jax.jit(run), x, args.iters, args.reps)
         t_mask = time_call(jax.jit(functools.partial(run, **w["kw"])), x,
                            args.iters, args.reps)
+        kernel_times = kernels_alone(method, row["backend"], x, w,
+                                     args.iters, args.reps)
       except Exception as e:  # noqa: BLE001  (recorded, not hidden)
         row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
         rows.append(row)
         print(json.dumps(row), flush=True)
         continue
-      kernel_times = kernels_alone(method, row["backend"], x, w,
-                                   args.iters, args.reps)
       if kernel_times:
         k_full, k_mask = kernel_times
         row.update(kernel_unmasked_ms=k_full * 1e3,
@@ -166,6 +170,8 @@ def main(argv=None):
         row["ratio_to_cudnn_bf16_masked"] = times["cudnn_bf16_masked"] / t_mask
       rows.append(row)
       print(json.dumps(row), flush=True)
+      if args.out:   # after every row, so that a cut run keeps its rows
+        write(args.out, rows)
   print(f"\n{'workload':8} {'method':10} {'backend':9} {'unmasked':>9} "
         f"{'masked':>8} {'vis.':>5} {'eff.':>5} {'vs cuDNN':>8} "
         f"{'kernel eff.':>11}")
@@ -180,9 +186,13 @@ def main(argv=None):
           f"{r['visible_flops_ratio']:5.2f} {r['work_efficiency']:5.2f} "
           f"{vs:8.2f} {r.get('kernel_work_efficiency', float('nan')):11.2f}")
   if args.out:
-    with open(args.out, "w") as f:
-      json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f,
-                indent=1)
+    write(args.out, rows)
+
+
+def write(path, rows):
+  with open(path, "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, rows=rows), f,
+              indent=1)
 
 
 if __name__ == "__main__":
