@@ -553,3 +553,32 @@ def test_mosaic_fp16_fp32_block_of_minus_inf_scores():
   assert bool(jnp.isfinite(ref).all())
   assert bool(jnp.isfinite(out).all())
   assert _rel(out, ref) < TOL, _rel(out, ref)
+
+
+@pytest.mark.parametrize("method,case", [("fp32", "window"),
+                                         ("sage", "segments")], ids=str)
+def test_mosaic_persistent_ctas_match_one_cta_per_tile(method, case,
+                                                       monkeypatch):
+  """The persistent schedule (each CTA runs every ``num_sms``-th tile, the
+  K/V ring turning on across its tiles) gives exactly the outputs of one
+  CTA per tile, with tiles that stream different numbers of key blocks
+  (a window, packed segments), and with one CTA running them all."""
+  from jaxattn import methods
+  from pallas_kernels import mosaic
+  b, t, s, n, d = 2, 200, 300, 2, 64
+  kq, kk, kv = jax.random.split(jax.random.key(9), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = jax.random.normal(kk, (b, s, 1, d), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
+  im, sees, kv_lens, causal = _index_case(case, b, t, s)
+  config = methods.get(method).config_cls.from_options(block_k=64)
+  outs = {}
+  for sms in (1, 3, 8):   # 8 tiles: 8, 2-3 and 1 per CTA
+    monkeypatch.setattr(mosaic, "INTERPRET_SMS", sms)
+    jax.clear_caches()
+    outs[sms] = np.asarray(_mosaic_with_index_mask(
+        method, q, k, v, kv_lens, im, scale=d ** -0.5, is_causal=causal,
+        config=config), np.float32)
+  assert np.isfinite(outs[8]).all() and np.abs(outs[8]).max() > 0.1
+  np.testing.assert_array_equal(outs[1], outs[8])
+  np.testing.assert_array_equal(outs[3], outs[8])
