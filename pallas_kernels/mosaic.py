@@ -113,32 +113,14 @@ FRESH_ACCUMULATORS = ("qk", "pv")
 @dataclasses.dataclass(frozen=True)
 class MosaicParams:
   """Rows per consumer warpgroup, keys per block, shared-memory ring depth,
-  and the schedule: ``persistent`` runs one CTA per SM (:func:`num_sms`),
-  each taking every ``num_sms``-th tile, so that the producer streams the
-  next tile's K and V while the consumers finish the last; otherwise one
-  CTA per tile."""
+  and which CTAs launch one after another: ``tile_order="rows"``, the tile
+  rows of one (batch, head) (the CTAs that run together then share a few
+  heads' K and V in L2), or ``"heads"``, the heads of one tile row.  Tile
+  rows launch from the last, which sees the most keys when causal."""
   block_q: int = 64
   block_k: int = 128
   stages: int = 2
-  persistent: bool = True
-
-
-# Which of a CTA's consecutive tiles vary fastest: "heads" (the tiles that
-# run together read the K and V of every head) or "rows" (they share a few
-# heads' K and V in L2).
-TILE_ORDER = "heads"
-
-# The interpreter's stand-in for the SM count: small, so that the tests run
-# several tiles per CTA.
-INTERPRET_SMS = 3
-
-
-def num_sms():
-  """The SMs of the default device (:data:`INTERPRET_SMS` in the
-  interpreter)."""
-  if interpret():
-    return INTERPRET_SMS
-  return jax.devices()[0].core_count
+  tile_order: str = "rows"
 
 
 def interpret():
@@ -375,8 +357,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
             has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
-            exact_exponent, return_lse, fresh_accumulators, num_ctas,
-            tile_order):
+            exact_exponent, return_lse, fresh_accumulators):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
@@ -389,7 +370,6 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   sums ``[B, K, nb, D]`` int32 (``pv="uint8"``); optional out_scale,
   out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
   with ``return_lse`` lse ``[B, N, T]`` float32.
-  ``num_ctas``: the grid; CTA c runs tiles c, c + num_ctas, ... in turn.
   ``c_scale``: the factor from the scores to the exponent's base 2 where
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
   this is ``fl16(beta / (1 - beta))``; None otherwise."""
@@ -417,43 +397,25 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       o_smem2 = q_smem2
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
      qb_bars) = barriers
+    batch = lax.axis_index("batch")
+    q_head = lax.axis_index("heads")
+    kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
-    num_heads, num_q_tiles = q_ref.shape[2], range_ref.shape[1] // 2
-    num_tiles = q_ref.shape[0] * num_heads * num_q_tiles
-    cta = lax.axis_index("cta")
-    tiles_here = lax.div(num_tiles - 1 - cta, num_ctas) + 1  # cta < num_tiles
+    row_len, col_len, lower, upper = (bounds_ref[batch, c] for c in range(4))
+    q_seq = lax.axis_size("q_seq") - 1 - lax.axis_index("q_seq")
+    tile_base = q_seq * (2 * bq)
+    wg_ranges = [[range_ref[batch, 2 * q_seq + w, c] for c in range(4)]
+                 for w in range(2)]
+    # The CTA streams the union of its warpgroups' key blocks (an empty
+    # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
+    (lo0, *_, hi0), (lo1, *_, hi1) = wg_ranges
+    tile_hi = jnp.maximum(hi0, hi1)
+    tile_lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, tile_hi),
+                          jnp.where(hi1 > lo1, lo1, tile_hi))
+    tile_steps = tile_hi - tile_lo
 
-    def tile_of(i):
-      """The CTA's i-th tile: (batch, query head, its key/value head, tile
-      row, first row, row bounds, first and end key block streamed).  The
-      tile rows run from the last, which see the most keys when causal;
-      ``TILE_ORDER`` says whether they or the heads vary fastest."""
-      tile = cta + i * num_ctas
-      if tile_order == "rows":
-        q_seq, head_batch = lax.rem(tile, num_q_tiles), lax.div(
-            tile, num_q_tiles)
-        q_head = lax.rem(head_batch, num_heads)
-      else:
-        q_head, rows_batch = lax.rem(tile, num_heads), lax.div(tile, num_heads)
-        q_seq = lax.rem(rows_batch, num_q_tiles)
-      q_seq = num_q_tiles - 1 - q_seq
-      batch = lax.div(tile, num_heads * num_q_tiles)
-      bounds = tuple(bounds_ref[batch, c] for c in range(4))
-      (lo0, *_, hi0), (lo1, *_, hi1) = (
-          [range_ref[batch, 2 * q_seq + w, c] for c in range(4)]
-          for w in range(2))
-      # The CTA streams the union of its warpgroups' key blocks (an empty
-      # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
-      tile_hi = jnp.maximum(hi0, hi1)
-      tile_lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, tile_hi),
-                            jnp.where(hi1 > lo1, lo1, tile_hi))
-      return (batch, q_head, lax.div(q_head, jnp.int32(group)), q_seq,
-              q_seq * (2 * bq), bounds, tile_lo, tile_hi)
-
-    def ring_slot(steps_before, tile_lo, j):
-      """Key block j's ring slot: the ring turns on across the CTA's tiles,
-      ``steps_before`` being the steps of its earlier ones."""
-      return lax.rem(steps_before + j - tile_lo, jnp.int32(stages))
+    def slot_of(j):  # key block j's ring slot (step j - tile_lo)
+      return lax.rem(j - tile_lo, jnp.int32(stages))
 
     def schedule_barrier():
       plgpu.barrier_arrive(schedule)
@@ -464,380 +426,359 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       plgpu.set_max_registers(232, action="increase")
       q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
       p_smem = p_smem2.at[wg] if p_smem2 is not None else None
+      q_base = tile_base + wg * bq
+      # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
+      # [tile_lo, tile_lo), so that it only drains
+      lo, full_lo, full_hi, hi = (
+          jnp.maximum(range_ref[batch, 2 * q_seq + wg, c], tile_lo)
+          for c in range(4))
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
+                              q_smem, q_bars.at[wg])
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       col_layout = plgpu.Layout.WGMMA.reduce(0)
-
-      def tile(i, steps_before):
-        (batch, q_head, kv_head, q_seq, tile_base, bounds, tile_lo,
-         tile_hi) = tile_of(i)
-        row_len, col_len, lower, upper = bounds
-        slot_of = functools.partial(ring_slot, steps_before, tile_lo)
-        q_base = tile_base + wg * bq
-        # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
-        # [tile_lo, tile_lo), so that it only drains
-        lo, full_lo, full_hi, hi = (
-            jnp.maximum(range_ref[batch, 2 * q_seq + wg, c], tile_lo)
-            for c in range(4))
-        plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
-                                q_smem, q_bars.at[wg])
-        if has_qk_scales:
-          q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
-                               layout=row_layout, optimized=False)
-          if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
-            # becomes tiny, which leaves its scores at 0
-            q_scale = jnp.maximum(q_scale,
-                                  np.float32(np.finfo(np.float32).tiny))
-        if has_segments:
-          q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
+      if has_qk_scales:
+        q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
                              layout=row_layout, optimized=False)
-        stat = jnp.dtype(pasa_state_dtype) if pasa_per_block else f32
-        row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
-                                                   row_layout)
-        m_i, l_i = row(-jnp.inf), row(0.0)
-        acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
-                                plgpu.Layout.WGMMA)
-        pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
-        # the factor that takes scores to base 2 in the exponent
+        if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
+          # becomes tiny, which leaves its scores at 0
+          q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+      if has_segments:
+        q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
+                           layout=row_layout, optimized=False)
+      stat = jnp.dtype(pasa_state_dtype) if pasa_per_block else f32
+      row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
+                                                 row_layout)
+      m_i, l_i = row(-jnp.inf), row(0.0)
+      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
+                              plgpu.Layout.WGMMA)
+      pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
+      # the factor that takes scores to base 2 in the exponent
+      if has_qk_scales and not has_qbias:
+        exp_factor = q_scale
+      else:
+        exp_factor = 1.0 if has_qk_scales else c_scale
+      acc_type = jnp.int32 if qk == "int8" else f32
+      pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
+      plgpu.barrier_wait(q_bars.at[wg])
+
+      def scores(s, j, masked):
+        """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
+        the exponent's factor and the visibility mask; frees K's slot."""
+        slot = slot_of(j)
+        # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
+        if has_qk_scales:
+          plgpu.barrier_wait(ks_bars.at[slot])
+          k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
+                               optimized=False)
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
+          qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
+        plgpu.barrier_arrive(k_consumed.at[slot])
         if has_qk_scales and not has_qbias:
-          exp_factor = q_scale
+          # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
+          # row max of S_i32 k_scale times q_scale, one FMA per score in the
+          # exponent
+          s = s.astype(f32) * lax.broadcast_in_dim(k_scale, s.shape, [1])
+          c = q_scale
+        elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
+          s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
+               * lax.broadcast_in_dim(k_scale, s.shape, [1]))
+          c = 1.0
         else:
-          exp_factor = 1.0 if has_qk_scales else c_scale
-        acc_type = jnp.int32 if qk == "int8" else f32
-        pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
-        plgpu.barrier_wait(q_bars.at[wg])
+          c = c_scale
+          if f16_scores:   # S leaves the matmul unit in float16
+            s = s.astype(f16).astype(f32)
+        if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
+          s = s + lax.broadcast_in_dim(qb, s.shape, [1])
+        visible = None
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                        layout=plgpu.Layout.WGMMA) + q_base
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                        layout=plgpu.Layout.WGMMA) + j * bk
+          visible = common.visible(rows, cols,
+                                   (row_len, col_len, lower, upper))
+          if has_segments:
+            k_seg = plgpu.load(kseg_ref.at[batch, pl.ds(j * bk, bk)],
+                               layout=col_layout, optimized=False)
+            visible = visible & (
+                lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+                == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
+        return s, c, visible
 
-        def scores(s, j, masked):
-          """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
-          the exponent's factor and the visibility mask; frees K's slot."""
-          slot = slot_of(j)
-          # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
-          if has_qk_scales:
-            plgpu.barrier_wait(ks_bars.at[slot])
-            k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
-                                 optimized=False)
-          if has_qbias:
-            plgpu.barrier_wait(qb_bars.at[slot])
-            qb = plgpu.load(qb_smem.at[slot], layout=col_layout,
-                            optimized=False)
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          if has_qk_scales and not has_qbias:
-            # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
-            # row max of S_i32 k_scale times q_scale, one FMA per score in the
-            # exponent
-            s = s.astype(f32) * lax.broadcast_in_dim(k_scale, s.shape, [1])
-            c = q_scale
-          elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
-            s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
-                 * lax.broadcast_in_dim(k_scale, s.shape, [1]))
-            c = 1.0
+      def softmax(s, c, visible, m_i, l_i, shift=None):
+        """The online softmax of one block: P (the PV operand's dtype),
+        the new row max and sum, the factor ``alpha`` of the old ones, and
+        the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
+        factor ``e^{m_t - m'}`` of its product).  ``shift``: PASA's
+        corrections ``(dm'_{j-1}, dm'_j)`` in the units of ``m``, which
+        move the old max and the block's (None: none)."""
+        if pasa_per_block:
+          p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
+                                      state_dtype=stat, exp_factor=c)
+          return p, (m_i, l_i, None, pasa_rows)
+        # PASA: the old max moves by dm'_{j-1}, the block's by dm'_j, and
+        # the block's P is taken against the new max less dm'_j
+        if shift is not None:
+          m_i = m_i + shift[0]
+        moved = (lambda m: m) if shift is None else (lambda m: m + shift[1])
+        unmoved = (lambda m: m) if shift is None else (lambda m: m - shift[1])
+        if visible is not None:
+          s = jnp.where(visible, s, -jnp.inf)
+        if pv == "uint8":
+          return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
+                                   exact_exponent=exact_exponent)
+
+        def finite(m_new):
+          """The max the exponents subtract: 0 for a row that has seen no
+          key yet (its m stays -inf: no -inf - -inf), only in masked
+          steps (every row sees a finite score of an unmasked block,
+          unless float16 scores round a whole block to -inf)."""
+          if visible is None and not f16_scores:
+            return m_new
+          return jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        if exact_exponent:
+          # The running max in the units of s: s - m is exact for the
+          # scores near the max (Sterbenz), so a tie gets exactly P = 1
+          # however large the scores are, and the factor c comes after.
+          # Mosaic GPU allows FMA contraction: without the barrier,
+          # s = S_i32 * k_scale fuses into s - m, the max score's exponent
+          # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
+          # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
+          s = lax.optimization_barrier(s)
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
+          m_ref = finite(m_new)
+          e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
+          if not isinstance(c, float):   # a row of factors
+            alpha = jnp.exp2((m_i - m_ref) * c)
+            e = e * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            alpha = jnp.exp2((m_i - m_ref) * c)
+            e = e * c
           else:
-            c = c_scale
-            if f16_scores:   # S leaves the matmul unit in float16
-              s = s.astype(f16).astype(f32)
-          if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
-            s = s + lax.broadcast_in_dim(qb, s.shape, [1])
-          visible = None
-          if masked:
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                          layout=plgpu.Layout.WGMMA) + q_base
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                          layout=plgpu.Layout.WGMMA) + j * bk
-            visible = common.visible(rows, cols,
-                                     (row_len, col_len, lower, upper))
-            if has_segments:
-              k_seg = plgpu.load(kseg_ref.at[batch, pl.ds(j * bk, bk)],
-                                 layout=col_layout, optimized=False)
-              visible = visible & (
-                  lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-                  == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-          return s, c, visible
-
-        def softmax(s, c, visible, m_i, l_i, shift=None):
-          """The online softmax of one block: P (the PV operand's dtype),
-          the new row max and sum, the factor ``alpha`` of the old ones, and
-          the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
-          factor ``e^{m_t - m'}`` of its product).  ``shift``: PASA's
-          corrections ``(dm'_{j-1}, dm'_j)`` in the units of ``m``, which
-          move the old max and the block's (None: none)."""
-          if pasa_per_block:
-            p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
-                                        state_dtype=stat, exp_factor=c)
-            return p, (m_i, l_i, None, pasa_rows)
-          # PASA: the old max moves by dm'_{j-1}, the block's by dm'_j, and
-          # the block's P is taken against the new max less dm'_j
-          if shift is not None:
-            m_i = m_i + shift[0]
-          moved = (lambda m: m) if shift is None else (lambda m: m + shift[1])
-          unmoved = (lambda m: m) if shift is None else (lambda m: m - shift[1])
-          if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
-          if pv == "uint8":
-            return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
-                                     exact_exponent=exact_exponent)
-
-          def finite(m_new):
-            """The max the exponents subtract: 0 for a row that has seen no
-            key yet (its m stays -inf: no -inf - -inf), only in masked
-            steps (every row sees a finite score of an unmasked block,
-            unless float16 scores round a whole block to -inf)."""
-            if visible is None and not f16_scores:
-              return m_new
-            return jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          if exact_exponent:
-            # The running max in the units of s: s - m is exact for the
-            # scores near the max (Sterbenz), so a tie gets exactly P = 1
-            # however large the scores are, and the factor c comes after.
-            # Mosaic GPU allows FMA contraction: without the barrier,
-            # s = S_i32 * k_scale fuses into s - m, the max score's exponent
-            # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
-            # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
-            s = lax.optimization_barrier(s)
-            m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
-            m_ref = finite(m_new)
-            e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
-            if not isinstance(c, float):   # a row of factors
-              alpha = jnp.exp2((m_i - m_ref) * c)
-              e = e * lax.broadcast_in_dim(c, s.shape, [0])
-            elif c != 1.0:
-              alpha = jnp.exp2((m_i - m_ref) * c)
-              e = e * c
-            else:
-              alpha = jnp.exp2(m_i - m_ref)
-            p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
-          else:
-            m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
-            m_ref = finite(m_new)
             alpha = jnp.exp2(m_i - m_ref)
-            # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
-            m_exp = unmoved(m_ref)
-            if pv == "fp8":
-              m_exp = m_exp - LOG2_FP8_MAX
-            if not isinstance(c, float):   # a row of factors
-              s = s * lax.broadcast_in_dim(c, s.shape, [0])
-            elif c != 1.0:
-              s = s * c
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+          p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
+        else:
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
+          m_ref = finite(m_new)
+          alpha = jnp.exp2(m_i - m_ref)
+          # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
+          m_exp = unmoved(m_ref)
           if pv == "fp8":
-            p_op = p.astype(jnp.float8_e4m3fn)
-          elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
-            p_int = (p * 127.0 + 0.5).astype(jnp.int32)
-            p = p_int.astype(f32)
-            p_op = p_int.astype(jnp.int8)
-          else:
-            p_op = p.astype(v_ref.dtype)
-          return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
+            m_exp = m_exp - LOG2_FP8_MAX
+          if not isinstance(c, float):   # a row of factors
+            s = s * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            s = s * c
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+        if pv == "fp8":
+          p_op = p.astype(jnp.float8_e4m3fn)
+        elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
+          p_int = (p * 127.0 + 0.5).astype(jnp.int32)
+          p = p_int.astype(f32)
+          p_op = p_int.astype(jnp.int8)
+        else:
+          p_op = p.astype(v_ref.dtype)
+        return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
 
-        def pv_operands(j, p_op):
-          """P as the PV wgmma's A operand and block j's V slot as B."""
-          if p_in_smem:
-            p_smem[...] = p_op
-            plgpu.commit_smem()
-            p_op = p_smem
-          elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
-            p_op = _as_8bit_operand(p_op)
-          v_op = v_smem.at[slot_of(j)]
-          if eight_bit_pv:
-            v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
-          return p_op, v_op
+      def pv_operands(j, p_op):
+        """P as the PV wgmma's A operand and block j's V slot as B."""
+        if p_in_smem:
+          p_smem[...] = p_op
+          plgpu.commit_smem()
+          p_op = p_smem
+        elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
+          p_op = _as_8bit_operand(p_op)
+        v_op = v_smem.at[slot_of(j)]
+        if eight_bit_pv:
+          v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
+        return p_op, v_op
 
-        def add_block(state, pv_blk, j, alpha, block_rows):
-          """The state ``(O, m, l, PASA's F)`` after block j's per-block
-          ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
-          if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
-            colsum = plgpu.load(colsum_ref.at[batch, kv_head, j],
-                                layout=col_layout, optimized=False)
-            pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
-                                                   [1])
-            pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
-                block_rows, pv_blk.shape, [0])
-          else:
-            pv_blk = pv_blk.astype(f32)
-          if has_vbs:  # one V scale per key block
-            pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
-          if pasa_per_block:
-            return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
-                                exp_factor=c_scale, weight=pasa_weight(j))
-          acc, *rest = state
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
-          return (acc, *rest)
+      def add_block(state, pv_blk, j, alpha, block_rows):
+        """The state ``(O, m, l, PASA's F)`` after block j's per-block
+        ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
+        if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
+          colsum = plgpu.load(colsum_ref.at[batch, kv_head, j],
+                              layout=col_layout, optimized=False)
+          pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
+                                                 [1])
+          pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
+              block_rows, pv_blk.shape, [0])
+        else:
+          pv_blk = pv_blk.astype(f32)
+        if has_vbs:  # one V scale per key block
+          pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
+        if pasa_per_block:
+          return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
+                              exp_factor=c_scale, weight=pasa_weight(j))
+        acc, *rest = state
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
+        return (acc, *rest)
 
-        def pasa_weight(j):
-          return shifted_ref[batch, kv_head, j] if has_shifted else None
+      def pasa_weight(j):
+        return shifted_ref[batch, kv_head, j] if has_shifted else None
 
-        def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
-          acc, m_i, l_i, pasa_state = carry
-          slot = slot_of(j)
+      def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
+        acc, m_i, l_i, pasa_state = carry
+        slot = slot_of(j)
 
-          def qk_scope(acc_ref):
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          schedule_barrier()
+          return acc_ref[...]
+        if "qk" in fresh_accumulators:
+          def qk_state(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             schedule_barrier()
-            return acc_ref[...]
-          if "qk" in fresh_accumulators:
-            def qk_state(acc_ref):
-              plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-              schedule_barrier()
-            s = pl.run_state(qk_state)(plgpu.ACC.init(
-                _fresh_accumulator((bq, bk), acc_type)))
-          else:
-            s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
-          if pasa_running:   # Sbar': the float32 product's mean, before masks
-            s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-          s, c, visible = scores(s, j, masked)
-          shift = None
-          if pasa_running:   # PASA steps 3-4 move the online softmax's max
-            seen = (None if visible is None else
-                    jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
-            f, count = pasa_state
-            f, count, dmp_prev, dmp_cur = _pasa_corrections(
-                f, count, s_mean, inva=pasa_inva, weight=pasa_weight(j),
-                seen=seen)
-            pasa_state = (f, count)
-            # m is in the units of s with the exact exponent, else base 2
-            shift = ((dmp_prev, dmp_cur) if exact_exponent
-                     else (dmp_prev * c, dmp_cur * c))
-          p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
-                                                            m_i, l_i, shift)
-          if fused_pv:   # (else one FMA in add_block)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_wait(schedule)
-          p_op, v_op = pv_operands(j, p_op)
+          s = pl.run_state(qk_state)(plgpu.ACC.init(
+              _fresh_accumulator((bq, bk), acc_type)))
+        else:
+          s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        if pasa_running:   # Sbar': the float32 product's mean, before masks
+          s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
+        s, c, visible = scores(s, j, masked)
+        shift = None
+        if pasa_running:   # PASA steps 3-4 move the online softmax's max
+          seen = (None if visible is None else
+                  jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
+          f, count = pasa_state
+          f, count, dmp_prev, dmp_cur = _pasa_corrections(
+              f, count, s_mean, inva=pasa_inva, weight=pasa_weight(j),
+              seen=seen)
+          pasa_state = (f, count)
+          # m is in the units of s with the exact exponent, else base 2
+          shift = ((dmp_prev, dmp_cur) if exact_exponent
+                   else (dmp_prev * c, dmp_cur * c))
+        p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
+                                                          m_i, l_i, shift)
+        if fused_pv:   # (else one FMA in add_block)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(schedule)
+        p_op, v_op = pv_operands(j, p_op)
 
-          def wait_next_k():
-            @pl.when(j + 1 < hi)
-            def _():
-              plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
+        def wait_next_k():
+          @pl.when(j + 1 < hi)
+          def _():
+            plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
 
-          if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
-            def pv_state(acc_ref):
-              plgpu.wgmma(acc_ref, p_op, v_op)
-              wait_next_k()
-            acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
-          else:          # per-block product, added into the accumulator
-            def pv_scope(pv_ref):
+        if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
+          def pv_state(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, v_op)
+            wait_next_k()
+          acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+        else:          # per-block product, added into the accumulator
+          def pv_scope(pv_ref):
+            plgpu.wgmma(pv_ref, p_op, v_op)
+            wait_next_k()
+            return pv_ref[...]
+          if "pv" in fresh_accumulators:
+            def pv_state(pv_ref):
               plgpu.wgmma(pv_ref, p_op, v_op)
               wait_next_k()
-              return pv_ref[...]
-            if "pv" in fresh_accumulators:
-              def pv_state(pv_ref):
-                plgpu.wgmma(pv_ref, p_op, v_op)
-                wait_next_k()
-              pv_blk = pl.run_state(pv_state)(plgpu.ACC.init(
-                  _fresh_accumulator((bq, head_dim), pv_type)))
-            else:
-              pv_blk = pl.run_scoped(pv_scope,
-                                     plgpu.ACC((bq, head_dim), pv_type))
-            acc, m_new, l_new, pasa_state = add_block(
-                (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, block_rows)
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          return acc, m_new, l_new, pasa_state
+            pv_blk = pl.run_state(pv_state)(plgpu.ACC.init(
+                _fresh_accumulator((bq, head_dim), pv_type)))
+          else:
+            pv_blk = pl.run_scoped(pv_scope,
+                                   plgpu.ACC((bq, head_dim), pv_type))
+          acc, m_new, l_new, pasa_state = add_block(
+              (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, block_rows)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_new, pasa_state
 
-        def drain(j, _):  # blocks the other warpgroup needs and this one not
-          slot = slot_of(j)
-          plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
-          plgpu.barrier_wait(v_bars.at[slot])
-          if has_qk_scales:
-            plgpu.barrier_wait(ks_bars.at[slot])
-          if has_qbias:
-            plgpu.barrier_wait(qb_bars.at[slot])
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          schedule_barrier()
-          schedule_barrier()
+      def drain(j, _):  # blocks the other warpgroup needs and this one not
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if has_qk_scales:
+          plgpu.barrier_wait(ks_bars.at[slot])
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        schedule_barrier()
+        schedule_barrier()
 
-        # Every step of [tile_lo, tile_hi) in order, each barrier phase
-        # observed once: drain, masked, unmasked, masked, drain.
-        pl.when(wg == 1)(schedule_barrier)
-        lax.fori_loop(tile_lo, lo, drain, None)
+      # Every step of [tile_lo, tile_hi) in order, each barrier phase
+      # observed once: drain, masked, unmasked, masked, drain.
+      pl.when(wg == 1)(schedule_barrier)
+      lax.fori_loop(tile_lo, lo, drain, None)
 
-        @pl.when(hi > lo)
-        def _():
-          plgpu.barrier_wait(k_bars.at[slot_of(lo)])
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
-        masked_step = functools.partial(kv_step, masked=True)
-        carry = lax.fori_loop(lo, full_lo, masked_step,
-                              (acc, m_i, l_i, pasa_state))
-        carry = lax.fori_loop(full_lo, full_hi,
-                              functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
-        lax.fori_loop(hi, tile_hi, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
+      masked_step = functools.partial(kv_step, masked=True)
+      carry = lax.fori_loop(lo, full_lo, masked_step,
+                            (acc, m_i, l_i, pasa_state))
+      carry = lax.fori_loop(full_lo, full_hi,
+                            functools.partial(kv_step, masked=False), carry)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
+      lax.fori_loop(hi, tile_hi, drain, None)
+      pl.when(wg == 0)(schedule_barrier)
 
-        empty = l_i == 0.0
-        # (with P * 448 folded into the exponent, l is in units of 1/448)
-        l_unit = FP8_MAX if pv == "fp8" else 1.0
-        inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
-        out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        if has_epilogue:
-          osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
-                           optimized=False)
-          osh = plgpu.load(osh_ref.at[batch, kv_head], layout=col_layout,
-                           optimized=False)
-          out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
-                 + lax.broadcast_in_dim(osh, out.shape, [1]))
-        out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
-        o_smem[...] = out.astype(out_dtype)
+      empty = l_i == 0.0
+      # (with P * 448 folded into the exponent, l is in units of 1/448)
+      l_unit = FP8_MAX if pv == "fp8" else 1.0
+      inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
+      out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      if has_epilogue:
+        osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        osh = plgpu.load(osh_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
+               + lax.broadcast_in_dim(osh, out.shape, [1]))
+      out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
+      o_smem[...] = out.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem,
+                              out_ref.at[batch, pl.ds(q_base, bq), q_head])
+      if return_lse:
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
+                                     m_scaled=not exact_exponent)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem,
-                                out_ref.at[batch, pl.ds(q_base, bq), q_head])
-        if return_lse:
-          lse_smem = lse_smem2.at[wg]
-          lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
-                                       m_scaled=not exact_exponent)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(lse_smem,
-                                  lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
-        # the next tile's Q lands where this tile's O is read from
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        return steps_before + tile_hi - tile_lo
-
-      lax.fori_loop(0, tiles_here, tile, jnp.int32(0))
+        plgpu.copy_smem_to_gmem(lse_smem,
+                                lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
-
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def tile(i, steps_before):
-        (batch, q_head, kv_head, _, tile_base, _, tile_lo,
-         tile_hi) = tile_of(i)
-
-        @pl.loop(0, tile_hi - tile_lo)
-        def _(u):  # key block tile_lo + u, the CTA's step steps_before + u
-          j, step = tile_lo + u, steps_before + u
-          slot = lax.rem(step, jnp.int32(stages))
-
-          @pl.when(step >= stages)
-          def _():
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-
+      def load(u, slot):  # step u: key block tile_lo + u
+        j = tile_lo + u
+        plgpu.copy_gmem_to_smem(
+            k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
+            k_bars.at[slot])
+        v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
+                 else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
+        plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
+        if has_qk_scales:
+          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
+                                  ks_smem.at[slot], ks_bars.at[slot])
+        if has_qbias:  # both consumers' rows lie in one bias block
           plgpu.copy_gmem_to_smem(
-              k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
-              k_bars.at[slot])
-          v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)]
-                   if eight_bit_pv
-                   else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
-          plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
-          if has_qk_scales:
-            plgpu.copy_gmem_to_smem(
-                ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
-                ks_smem.at[slot], ks_bars.at[slot])
-          if has_qbias:  # both consumers' rows lie in one bias block
-            plgpu.copy_gmem_to_smem(
-                qbias_ref.at[batch, q_head,
-                             lax.div(tile_base, jnp.int32(bias_rows)),
-                             pl.ds(j * bk, bk)],
-                qb_smem.at[slot], qb_bars.at[slot])
-        return steps_before + tile_hi - tile_lo
+              qbias_ref.at[batch, q_head,
+                           lax.div(tile_base, jnp.int32(bias_rows)),
+                           pl.ds(j * bk, bk)],
+              qb_smem.at[slot], qb_bars.at[slot])
 
-      steps = lax.fori_loop(0, tiles_here, tile, jnp.int32(0))
+      for st in range(stages):
+        pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
 
-      @pl.loop(jnp.maximum(steps - stages, 0), steps)
-      def _(step):  # the last uses of each slot (every phase is observed)
-        slot = lax.rem(step, jnp.int32(stages))
+      @pl.loop(stages, jnp.maximum(tile_steps, stages))
+      def _(u):
+        slot = lax.rem(u, jnp.int32(stages))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(u, slot)
+
+      @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
+      def _(u):  # the last uses of each slot (every phase is observed)
+        slot = lax.rem(u, jnp.int32(stages))
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
@@ -938,6 +879,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     raise ValueError(f"qk must be one of {QK_TYPES} and pv one of "
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
+  if params.tile_order not in ("rows", "heads"):
+    raise ValueError(f"tile_order must be 'rows' or 'heads', got "
+                     f"{params.tile_order!r}")
   bq, bk = params.block_q, params.block_k
   t_pad = common.round_up(t, 2 * bq)
   s_pad = common.round_up(s_len, bk)
@@ -999,8 +943,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
                    == jnp.float16):
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
-  num_tiles = b * n * (t_pad // (2 * bq))
-  num_ctas = min(num_tiles, num_sms()) if params.persistent else num_tiles
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
@@ -1020,16 +962,19 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       return_lse=return_lse,
       fresh_accumulators=() if p_in_smem else tuple(
           x for x in FRESH_ACCUMULATORS
-          if (qk if x == "qk" else pv) != "fp16"),
-      num_ctas=num_ctas, tile_order=TILE_ORDER)
+          if (qk if x == "qk" else pv) != "fp16"))
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(num_ctas,),
-      grid_names=("cta",),
+      # (the first axis varies fastest in the launch order)
+      **({"grid": (t_pad // (2 * bq), n, b),
+          "grid_names": ("q_seq", "heads", "batch")}
+         if params.tile_order == "rows" else
+         {"grid": (n, t_pad // (2 * bq), b),
+          "grid_names": ("heads", "q_seq", "batch")}),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,

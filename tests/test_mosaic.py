@@ -557,12 +557,12 @@ def test_mosaic_fp16_fp32_block_of_minus_inf_scores():
 
 @pytest.mark.parametrize("method,case", [("fp32", "window"),
                                          ("sage", "segments")], ids=str)
-def test_mosaic_persistent_ctas_match_one_cta_per_tile(method, case,
-                                                       monkeypatch):
-  """The persistent schedule (each CTA runs every ``num_sms``-th tile, the
-  K/V ring turning on across its tiles) gives exactly the outputs of one
-  CTA per tile, with tiles that stream different numbers of key blocks
-  (a window, packed segments), and with one CTA running them all."""
+def test_mosaic_tile_orders_give_the_same_output(method, case, monkeypatch):
+  """Launching the tile rows of a head one after another (the default) or
+  the heads of a tile row gives the same output bit for bit, with tiles
+  that stream different numbers of key blocks (a window, packed
+  segments)."""
+  import functools
   from jaxattn import methods
   from pallas_kernels import mosaic
   b, t, s, n, d = 2, 200, 300, 2, 64
@@ -572,13 +572,25 @@ def test_mosaic_persistent_ctas_match_one_cta_per_tile(method, case,
   v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
   im, sees, kv_lens, causal = _index_case(case, b, t, s)
   config = methods.get(method).config_cls.from_options(block_k=64)
+  params, kernel = mosaic.MosaicParams, mosaic.plgpu.kernel
+  launched = set()
+
+  def spy(*args, **kw):   # the launch order each call asked for
+    launched.add(kw["grid_names"][0])
+    return kernel(*args, **kw)
+  monkeypatch.setattr(mosaic.plgpu, "kernel", spy)
   outs = {}
-  for sms in (1, 3, 8):   # 8 tiles: 8, 2-3 and 1 per CTA
-    monkeypatch.setattr(mosaic, "INTERPRET_SMS", sms)
+  for order in ("rows", "heads"):
+    monkeypatch.setattr(mosaic, "MosaicParams",
+                        functools.partial(params, tile_order=order))
     jax.clear_caches()
-    outs[sms] = np.asarray(_mosaic_with_index_mask(
+    outs[order] = np.asarray(_mosaic_with_index_mask(
         method, q, k, v, kv_lens, im, scale=d ** -0.5, is_causal=causal,
         config=config), np.float32)
-  assert np.isfinite(outs[8]).all() and np.abs(outs[8]).max() > 0.1
-  np.testing.assert_array_equal(outs[1], outs[8])
-  np.testing.assert_array_equal(outs[3], outs[8])
+  assert np.isfinite(outs["rows"]).all() and np.abs(outs["rows"]).max() > 0.1
+  np.testing.assert_array_equal(outs["rows"], outs["heads"])
+  assert launched == {"q_seq", "heads"}
+  with pytest.raises(ValueError, match="tile_order"):
+    mosaic.mosaic_attention(q, k, v, kv_lens, qk="fp16", pv="fp16",
+                            is_causal=False,
+                            params=params(tile_order="diagonal"))

@@ -1,12 +1,13 @@
-"""A/B of the Mosaic kernel's schedule on the H100, kernels alone: one CTA
-per tile against persistent CTAs (one per SM, each running every
-``num_sms``-th tile with the K/V ring turning on across its tiles), and
-the order of the tiles (heads or tile rows varying fastest).
+"""A/B of the Mosaic kernel's launch order on the GPU, kernels alone: the
+tile rows of one (batch, head) one after another, or the heads of one tile
+row (``MosaicParams.tile_order``).
 
-  python benchmarks/persistent.py OUT.json [--workloads noncausal,causal,packed]
-      [--methods fp32,fp8,sage]
+  python benchmarks/tile_order.py OUT.json [--workloads noncausal,causal,packed]
+      [--methods fp32,fp8,sage,int8] [--rounds 2]
 
-Every setting is compiled ahead of time (the schedule is read when the
+(``results/2026-11-26_h200_persistent_tile_order.json`` came from this
+script's first form, at 63531c1, which also timed persistent CTAs.)
+Every setting is compiled ahead of time (the order is read when the
 kernel is traced); its output must equal the first setting's bit for bit.
 Then the settings are timed in rounds whose order alternates (ABBA), each
 round against cuDNN bfloat16 in the same process.  ``packed`` is causal
@@ -28,8 +29,7 @@ from jaxattn.tuning import time_call  # noqa: E402
 from pallas_kernels import common, mosaic  # noqa: E402
 import index_mask  # noqa: E402
 
-SETTINGS = [(False, "heads"), (False, "rows"), (True, "heads"),
-            (True, "rows")]
+SETTINGS = ["heads", "rows"]
 ORIGINAL_PARAMS = mosaic.MosaicParams
 
 
@@ -61,7 +61,7 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("out")
   ap.add_argument("--workloads", default="noncausal,causal,packed")
-  ap.add_argument("--methods", default="fp32,fp8,sage")
+  ap.add_argument("--methods", default="fp32,fp8,sage,int8")
   ap.add_argument("--rounds", type=int, default=2)
   ap.add_argument("--shape", default="2,8192,32,128", help="B,S,N,D")
   args = ap.parse_args()
@@ -76,7 +76,7 @@ def main():
                "packed": (True, common.IndexMask(q_segments=segs,
                                                  kv_segments=segs))}
   equal, rows = {}, []
-  meta = dict(device=jax.devices()[0].device_kind, sms=mosaic.num_sms(),
+  meta = dict(device=jax.devices()[0].device_kind,
               jax=jax.__version__, shape=f"BTNH {args.shape}, kernels alone")
   for wname in args.workloads.split(","):
     causal, im = workloads[wname]
@@ -87,16 +87,14 @@ def main():
     calls = {}
     for method in args.methods.split(","):
       first = None
-      for persistent, order in SETTINGS:
+      for order in SETTINGS:
         mosaic.MosaicParams = functools.partial(ORIGINAL_PARAMS,
-                                                persistent=persistent)
-        mosaic.TILE_ORDER = order
+                                                tile_order=order)
         jax.clear_caches()
         fn, fargs = kernel_call(method, x16, causal=causal, im=im)
         compiled = fn.lower(*fargs).compile()
         out = np.asarray(jax.block_until_ready(compiled(*fargs)), np.float32)
-        key = (f"{wname}/{method}/"
-               f"{'persistent' if persistent else 'grid'}/{order}")
+        key = f"{wname}/{method}/{order}"
         calls[key] = (compiled, fargs)
         if first is None:
           first = out
@@ -104,7 +102,7 @@ def main():
         else:
           equal[key] = bool(np.array_equal(out, first))
           print(key, "bit-identical:", equal[key], flush=True)
-    mosaic.MosaicParams, mosaic.TILE_ORDER = ORIGINAL_PARAMS, "heads"
+    mosaic.MosaicParams = ORIGINAL_PARAMS
     names = list(calls)
     for rnd in range(args.rounds):
       t_ref = time_call(cudnn, bf)
