@@ -112,15 +112,10 @@ FRESH_ACCUMULATORS = ("qk", "pv")
 
 @dataclasses.dataclass(frozen=True)
 class MosaicParams:
-  """Rows per consumer warpgroup, keys per block, shared-memory ring depth,
-  and which CTAs launch one after another: ``tile_order="rows"``, the tile
-  rows of one (batch, head) (the CTAs that run together then share a few
-  heads' K and V in L2), or ``"heads"``, the heads of one tile row.  Tile
-  rows launch from the last, which sees the most keys when causal."""
+  """Rows per consumer warpgroup, keys per block, shared-memory ring depth."""
   block_q: int = 64
   block_k: int = 128
   stages: int = 2
-  tile_order: str = "rows"
 
 
 def interpret():
@@ -402,7 +397,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
     kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
     row_len, col_len, lower, upper = (bounds_ref[batch, c] for c in range(4))
-    q_seq = lax.axis_size("q_seq") - 1 - lax.axis_index("q_seq")
+    q_seq = lax.axis_index("q_seq")
     tile_base = q_seq * (2 * bq)
     wg_ranges = [[range_ref[batch, 2 * q_seq + w, c] for c in range(4)]
                  for w in range(2)]
@@ -879,9 +874,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     raise ValueError(f"qk must be one of {QK_TYPES} and pv one of "
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
-  if params.tile_order not in ("rows", "heads"):
-    raise ValueError(f"tile_order must be 'rows' or 'heads', got "
-                     f"{params.tile_order!r}")
   bq, bk = params.block_q, params.block_k
   t_pad = common.round_up(t, 2 * bq)
   s_pad = common.round_up(s_len, bk)
@@ -969,12 +961,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
-      # (the first axis varies fastest in the launch order)
-      **({"grid": (t_pad // (2 * bq), n, b),
-          "grid_names": ("q_seq", "heads", "batch")}
-         if params.tile_order == "rows" else
-         {"grid": (n, t_pad // (2 * bq), b),
-          "grid_names": ("heads", "q_seq", "batch")}),
+      grid=(n, t_pad // (2 * bq), b),
+      grid_names=("heads", "q_seq", "batch"),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,
