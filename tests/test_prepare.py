@@ -28,7 +28,7 @@ def _assert_same(fast, ref, approx=()):
     a = np.asarray(fast[name].astype(jnp.float32))
     r = np.asarray(ref[name].astype(jnp.float32))
     assert a.shape == r.shape, (name, a.shape, r.shape)
-    if name in approx:  # a float32 matmul: accumulation order
+    if name in approx:  # float32 sums: accumulation order
       np.testing.assert_allclose(a, r, rtol=1e-6, atol=1e-6 * np.abs(r).max())
     else:
       np.testing.assert_array_equal(a, r, err_msg=name)
@@ -54,7 +54,9 @@ def test_sage_inputs_equal_reference(opts):
       ref.pop("smooth_bias")
   for name in ("q_scale", "q_mean"):
     ref.pop(name, None)
-  _assert_same(fast, ref, approx=("smooth_bias",))
+  # (the means are float32 reductions that XLA on the GPU orders
+  # differently in the two computations: 1 ulp apart there)
+  _assert_same(fast, ref, approx=("smooth_bias", "v_mean"))
 
 
 @pytest.mark.parametrize("opts", [
