@@ -209,7 +209,8 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
 # amax and split into float16 hi + lo (:func:`_f16_split`), then three
 # products (hi*hi + hi*lo + lo*hi) at float16's rate; "tf32x3", the same
 # three products in TF32 (Triton's preset), the key pass 0.41 ms against
-# 0.33 at 2x8192x32x128 on the H100 (``benchmarks/smooth_bias.py``).
+# 0.33 at 2x8192x32x128 on the H100 with 8 warps (0.24 with 4:
+# ``benchmarks/smooth_bias.py``).
 # Triton's IEEE float32 dot runs on the FMA units at a few percent of
 # their peak.
 BIAS_PRODUCTS = "f16x3"
@@ -249,10 +250,10 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
   never reach memory.
 
-  ``num_warps`` (default 4, 8 with the bias) and ``bias_chunk`` (query-mean
-  rows per bias product, 16 to 64; default the largest that divides) are
-  the kernel's knobs (8 warps and 64-row products were the fastest for the
-  key pass with the bias on an H100).
+  ``num_warps`` (default 4) and ``bias_chunk`` (query-mean rows per bias
+  product, 16 to 64; default the largest that divides) are the kernel's
+  knobs (4 warps and 64-row products were the fastest for the key pass
+  with the bias on an H100: ``benchmarks/smooth_bias.py``).
 
   ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
   scales, the values and the bias), and the rows that hold one are
@@ -310,7 +311,7 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                         flag_nonfinite=flag_nonfinite),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(
-          num_warps=num_warps or (8 if bias_chunk else 4), num_stages=2),
+          num_warps=num_warps or 4, num_stages=2),
       interpret=common.interpret(), name="jaxattn_rows_operand",
   )(*args)
   bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
