@@ -5,7 +5,9 @@
 
 Each part is jitted and timed alone, in two rounds of alternating order:
 the whole of ``operands.quantized_operands("sage")``, its fused Q/K part
-(``operands.fused_qk``), the means (XLA reductions), the Q and K passes
+(``operands.fused_qk``), the means as XLA reductions, the Q pass given the
+query-block means or taking each tile's own (``shift="tile_mean"``, what
+``fused_qk`` runs since 2026-11-26), the K pass
 (:func:`pallas_kernels.quantizers.rows_operand`), V's statistics and V's
 8-bit pass (:func:`pallas_kernels.quantizers.v_operand`), and a float16 ->
 int8 cast of one tensor (the bandwidth floor of a pass).
@@ -46,12 +48,15 @@ def main():
           "sage", q, k, v, lens, scale=scale, config=cfg),
       "fused_qk": lambda: operands.fused_qk("sage", q, k, lens, scale=scale,
                                             config=cfg),
-      "q_block_means": lambda: operands._query_block_means(fin(q),
-                                                           cfg.block_q),
+      "q_block_means_xla": lambda: operands._query_block_means(
+          fin(q), cfg.block_q),
       "k_mean": lambda: operands._key_mean(fin(k), lens),
-      "q_pass": lambda: quantizers.rows_operand(
+      "q_pass_given_means": lambda: quantizers.rows_operand(
           q, lens, group=sage.q_group_rows(cfg, s), dtype=jnp.int8,
           shift=q_mean, block=cfg.block_q, flag_nonfinite=True),
+      "q_pass_tile_means": lambda: quantizers.rows_operand(
+          q, lens, group=sage.q_group_rows(cfg, s), dtype=jnp.int8,
+          shift="tile_mean", block=cfg.block_q, flag_nonfinite=True),
       "k_pass_with_bias": lambda: quantizers.rows_operand(
           k, lens, group=sage.k_group_rows(cfg, s), dtype=jnp.int8,
           shift=k_mean[:, None], bias_q_mean=bias_q,

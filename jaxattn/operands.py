@@ -339,20 +339,21 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   if not _fits_rows_kernel(q_group, k_group, bq):
     return None
   f32 = jnp.float32
-  # the means over finite values (XLA's reduction pass; the quantizer
-  # kernels count NaN/Inf as 0 in the same way)
+  # the key mean over finite values (XLA's reduction pass; the quantizer
+  # kernels count NaN/Inf as 0 in the same way); the query-block means
+  # from the Q pass's own tiles
   k_mean = _key_mean(nonfinite.finite(k), kv_lens) if config.smooth_k else (
       jnp.zeros((b, nk, d), f32))
-  q_mean = bias_q = None
-  if config.smooth_q:
-    q_mean, _ = _query_block_means(nonfinite.finite(q), bq)  # [B, nqb, N, D]
+  bits = config.bits
+  q8, q_scale, q_mean, q_bad = rows_operand(
+      q, q_lens, group=q_group, dtype=jnp.int8, bits=bits,
+      shift="tile_mean" if config.smooth_q else None,
+      block=bq if config.smooth_q else max(128, q_group))
+  bias_q = None
+  if config.smooth_q:                          # q_mean [B, nqb, N, D]
     nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
     bias_q = (q_mean * sage.log2_scale(scale)).reshape(
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
-  bits = config.bits
-  q8, q_scale, _, q_bad = rows_operand(
-      q, q_lens, group=q_group, dtype=jnp.int8, bits=bits, shift=q_mean,
-      block=bq if config.smooth_q else max(128, q_group))
   k8, k_scale, bias, k_bad = rows_operand(
       k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
       shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,

@@ -132,19 +132,25 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   ``flag_nonfinite``, NaN/Inf elements count as 0 and the last output
   flags the rows that hold one."""
   refs = list(refs)
-  shift_ref = refs.pop(0) if shift else None
+  shift_ref = refs.pop(0) if shift == "given" else None
   qm_ref = refs.pop(0) if bias_chunk else None
   bad_ref = refs.pop() if flag_nonfinite else None
-  o_ref, scale_ref, *bias_ref = refs
+  o_ref, scale_ref, *extra_ref = refs   # extra: the bias or the tile mean
   block = x_ref.shape[0]
   rows = pl.program_id(1) * block + jnp.arange(block)
   keep = (rows < len_ref[0])[:, None]
   x = x_ref[...].astype(jnp.float32)
+  if shift == "tile_mean":
+    shift_row = _tile_mean(x, keep, len_ref[0] - pl.program_id(1) * block,
+                           flag_nonfinite)
+    extra_ref[0][...] = shift_row
+  elif shift:
+    shift_row = shift_ref[...]
 
   def shifted(x):  # y and its rows' amax
     y = jnp.where(keep, x, 0.0)
     if shift:
-      y = jnp.where(keep, y - shift_ref[...][None, :], 0.0)
+      y = jnp.where(keep, y - shift_row[None, :], 0.0)
     return y, jnp.abs(y).max(axis=1)
 
   if flag_nonfinite:
@@ -152,7 +158,7 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
     # counted as inf, the largest row max is inf where the tile holds one
     # (or where x - shift overflows, for float32 inputs).  Only such a tile
     # takes a second pass, with them counted as 0, and flags its rows.
-    y = x - shift_ref[...][None, :] if shift else x
+    y = x - shift_row[None, :] if shift else x
     row_max = jnp.where(y == y, jnp.abs(y), jnp.inf).max(axis=1)
 
     def second_pass():
@@ -195,9 +201,9 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
             a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
                 + dot(q_unit[1], y_unit[0]))
-        bias_ref[0][at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
+        extra_ref[0][at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
       else:
-        bias_ref[0][at, :] = jax.lax.dot_general(
+        extra_ref[0][at, :] = jax.lax.dot_general(
             qm, y, (((1,), (1,)), ((), ())),
             preferred_element_type=jnp.float32, precision=precision)
       return carry
@@ -227,6 +233,23 @@ def _f16_split(x, amax):
   return (hi, lo), amax
 
 
+def _tile_mean(x, keep, count, flag_nonfinite):
+  """``fl(sum x * fl(1 / count))`` over the tile's kept rows (SageAttention2's
+  query-block mean, the sum in the kernel's order), NaN/Inf counted as 0
+  where ``flag_nonfinite``; ``count``: the rows below the length."""
+  total = jnp.where(keep, x, 0.0).sum(axis=0)
+  if flag_nonfinite:  # a finite sum: no NaN/Inf (float32 overflow takes
+    # the second sum too, with the same result)
+    # (NaN counted as inf: the GPU's max passes over NaN)
+    total = jax.lax.cond(
+        jnp.where(total == total, jnp.abs(total), jnp.inf).max() < jnp.inf,
+        lambda: total,
+        lambda: jnp.where(keep & jnp.isfinite(x), x, 0.0).sum(axis=0))
+  rcp = common.reciprocal_rn(jnp.clip(count, 1, x.shape[0]).astype(
+      jnp.float32) * jnp.ones_like(total))
+  return common.multiply_rn(total, rcp)
+
+
 def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                  bias_q_mean=None, block: int = 128,
                  num_warps: int | None = None, bias_chunk: int | None = None,
@@ -238,8 +261,10 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   scale, a power of two dividing ``block`` (1: per token); ``dtype`` int8
   (``qmax = 2^(bits-1) - 1``) or float8_e4m3fn (``qmax = 448``); ``shift``
   float32 ``[B, 1, H, D]`` (the key mean) or ``[B, L / block, H, D]`` (one
-  per tile: the query-block means, ``block = block_q``), subtracted before
-  the scales.  Scales are ``fl(amax * fl(1/qmax))``, values
+  per tile: the query-block means, ``block = block_q``), or
+  ``"tile_mean"``: each tile's own mean over its rows below ``lens``
+  (SageAttention2's query-block means, from the tile the pass reads
+  anyway; returned in place of the bias), subtracted before the scales.  Scales are ``fl(amax * fl(1/qmax))``, values
   ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
   (fp8), rounded exactly on the GPU through :func:`common.round_half_even`
   and :func:`common.reciprocal_rn`.
@@ -259,7 +284,8 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   scales, the values and the bias), and the rows that hold one are
   flagged.
 
-  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias or
+  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias, or
+  with ``shift="tile_mean"`` the means ``[B, ceil(L / block), H, D]``, or
   None, flags bool [B, L, H] or None)``.
   """
   b, n_rows, h, d = x.shape
@@ -276,7 +302,11 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                            lambda bi, j, hi: (bi, j, hi, 0)),
               pl.BlockSpec((None, 1), lambda bi, j, hi: (bi, 0))]
   args = [x, jnp.minimum(jnp.asarray(lens, jnp.int32), n_rows).reshape(b, 1)]
-  if shift is not None:
+  tile_mean = isinstance(shift, str)
+  if tile_mean and (shift != "tile_mean" or bias_q_mean is not None):
+    raise ValueError(f"shift is an array or 'tile_mean' (without the bias),"
+                     f" got {shift!r}")
+  if shift is not None and not tile_mean:
     per_tile = shift.shape[1] > 1
     in_specs.append(pl.BlockSpec(
         (None, None, None, d_block),
@@ -302,12 +332,19 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                                   lambda bi, j, hi: (bi, hi, 0, j)))
     out_shape.append(jax.ShapeDtypeStruct((b, h, r_pad, rows_pad),
                                           jnp.float32))
+  if tile_mean:
+    out_specs.append(pl.BlockSpec((None, None, None, d_block),
+                                  lambda bi, j, hi: (bi, j, hi, 0)))
+    out_shape.append(jax.ShapeDtypeStruct((b, rows_pad // block, h, d_block),
+                                          jnp.float32))
   if flag_nonfinite:
     out_specs.append(out_specs[1])
     out_shape.append(out_shape[1])
   outs = pl.pallas_call(
       functools.partial(_rows_kernel, group=group, qmax=qmax,
-                        shift=shift is not None, bias_chunk=bias_chunk,
+                        shift=("tile_mean" if tile_mean else
+                               "given" if shift is not None else None),
+                        bias_chunk=bias_chunk,
                         flag_nonfinite=flag_nonfinite),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(
@@ -315,6 +352,6 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
       interpret=common.interpret(), name="jaxattn_rows_operand",
   )(*args)
   bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
-          else None)
+          else outs[2][..., :d] if tile_mean else None)
   flags = outs[-1][:, :n_rows] > 0 if flag_nonfinite else None
   return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias, flags

@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxattn import fp8, int_flash, quant, sage
+from jaxattn import fp8, int_flash, nonfinite, quant, sage
 from jaxattn import methods
 from jaxattn import operands as prepare
 from pallas_kernels import quantizers
@@ -166,13 +166,14 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
 def test_sage_v_stats_equal_two_pass(opts):
   """V's mean and per-channel fp8 scale from one reduction pass (max and
   min) equal the reference's two-pass values of the smoothed V (per head
-  through vmap), bit for bit."""
+  through vmap), bit for bit (the mean, a float32 sum, to its summation
+  order: XLA on the GPU orders the two computations' sums differently)."""
   q, k, v, lens = _inputs(21)
   cfg = sage.SageConfig.from_options(**opts)
   ref = sage.sage_quantize(q, k, v, lens, scale=0.1, config=cfg)
   got = jax.jit(lambda v, l: prepare.sage_v_stats(v, l, cfg))(v, lens)
   want = {n: ref[n] for n in got}
-  _assert_same(got, want)
+  _assert_same(got, want, approx=("v_mean",))  # (1 ulp apart on the GPU)
 
 
 def test_rows_operand_poisoned_tail_and_int4():
@@ -231,6 +232,31 @@ def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows(grouped):
                                 np.asarray(v8_ref, np.float32))
   np.testing.assert_array_equal(np.asarray(flags),
                                 want.transpose(0, 2, 1))
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_rows_operand_tile_mean_is_the_query_block_mean(flag):
+  """``shift="tile_mean"``: each tile subtracts its own rows' mean, which
+  it returns; both equal the XLA query-block means and the pass given
+  them (a last tile of 8 rows, and with ``flag_nonfinite`` NaN/Inf counted
+  as 0 in the mean as in the values, here bit for bit)."""
+  x = jax.random.normal(jax.random.key(7), (2, 200, 2, 96), jnp.float16) + 2
+  if flag:
+    x = x.at[0, 70, 1, 5].set(jnp.inf).at[1, 199, 0, 0].set(jnp.nan)
+  lens = jnp.array([200, 200])
+  want_mean, _ = prepare._query_block_means(nonfinite.finite(x), 64)
+  kw = dict(group=16, dtype=jnp.int8, block=64, flag_nonfinite=flag)
+  got = quantizers.rows_operand(x, lens, shift="tile_mean", **kw)
+  ref = quantizers.rows_operand(nonfinite.finite(x), lens, shift=want_mean,
+                                **kw)
+  assert got[2].shape == want_mean.shape == (2, 4, 2, 96)
+  np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want_mean))
+  for g, r in zip(got[:2], ref[:2]):
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
+  if flag:
+    assert np.asarray(got[3]).sum() == 2 and got[3][1, 199, 0]
+  with pytest.raises(ValueError, match="tile_mean"):
+    quantizers.rows_operand(x, lens, shift="tile_mean", bias_q_mean=x, **kw)
 
 
 def test_rows_operand_flags_only_nonfinite_inputs():
