@@ -293,9 +293,11 @@ def _fits_rows_kernel(*groups) -> bool:
 
 def fused_qk(method: str, q, k, kv_lens, *, scale: float,
              config) -> dict | None:
-  """The 8-bit (or int4-valued) Q and K of ``method`` by :func:`quantizers.rows_operand`:
-  each read once after its mean (SageAttention2's smoothing; XLA's reduction
-  pass), the SageAttention2 bias from the same key tiles.  The values and
+  """The 8-bit (or int4-valued) Q and K of ``method`` by
+  :func:`quantizers.rows_operand`: each read once, K after its mean (XLA's
+  reduction pass), Q subtracting each query block's mean as the pass reads
+  the block (SageAttention2's smoothing), the SageAttention2 bias from the
+  same key tiles.  The values and
   scales of :func:`sage_inputs` / :func:`int8_inputs` / :func:`fp8_inputs`
   bit for bit; ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2
   e`` folded into ``q_m``) to float32 accumulation order.  None where a
