@@ -25,10 +25,10 @@ sys.path.insert(0, ".")
 from jaxattn.tuning import time_call  # noqa: E402
 from pallas_kernels import quantizers  # noqa: E402
 
-# (products, num_warps, bias_chunk); None: rows_operand's defaults
-VARIANTS = {"tf32x3": ("tf32x3", None, None), "f16x3": ("f16x3", None, None),
-            "f16x3_w4": ("f16x3", 4, None), "f16x3_c32": ("f16x3", None, 32),
-            "f16x3_w4_c32": ("f16x3", 4, 32), "no_bias": (None, None, None)}
+# (products, num_warps, bias_chunk); None: rows_operand's default chunk
+VARIANTS = {"tf32x3": ("tf32x3", 8, None), "f16x3": ("f16x3", 8, None),
+            "f16x3_w4": ("f16x3", 4, None), "f16x3_c32": ("f16x3", 8, 32),
+            "f16x3_w4_c32": ("f16x3", 4, 32), "no_bias": (None, 4, None)}
 
 
 def main():

@@ -128,9 +128,11 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
   ``fl(clip(., -448, 448))``); with ``bias_chunk`` also ``q_m y^T`` in
   float32 (SageAttention2's ``dS = q_m K_smoothed^T``) for every query
-  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time.  With
-  ``flag_nonfinite``, NaN/Inf elements count as 0 and the last output
-  flags the rows that hold one."""
+  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time.
+  ``shift="tile_mean"``: the shift is the tile's own mean
+  (:func:`_tile_mean`), written to the output after the scales instead of
+  the bias.  With ``flag_nonfinite``, NaN/Inf elements count as 0 and the
+  last output flags the rows that hold one."""
   refs = list(refs)
   shift_ref = refs.pop(0) if shift == "given" else None
   qm_ref = refs.pop(0) if bias_chunk else None
@@ -141,8 +143,7 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   keep = (rows < len_ref[0])[:, None]
   x = x_ref[...].astype(jnp.float32)
   if shift == "tile_mean":
-    shift_row = _tile_mean(x, keep, len_ref[0] - pl.program_id(1) * block,
-                           flag_nonfinite)
+    shift_row = _tile_mean(x, keep, len_ref[0] - pl.program_id(1) * block)
     extra_ref[0][...] = shift_row
   elif shift:
     shift_row = shift_ref[...]
@@ -187,6 +188,9 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   scale_ref[...] = scale
   if bias_chunk:
     products = BIAS_PRODUCTS
+    if products not in ("f16x3", *_BIAS_PRESETS):
+      raise ValueError(f"BIAS_PRODUCTS must be 'f16x3' or one of "
+                       f"{tuple(_BIAS_PRESETS)}, got {products!r}")
     if products == "f16x3":
       y_unit, y_norm = _f16_split(y, amax)
     precision = (jax.lax.Precision.HIGHEST if common.interpret()
@@ -197,8 +201,13 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
       qm = qm_ref[at, :]
       if products == "f16x3":
         q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
-        dot = lambda a, b: jax.lax.dot_general(
-            a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        def dot(a, b):  # float16 products are exact in float32; XLA:CPU's
+          # float16 dot need not keep them so (the interpreter)
+          if common.interpret():
+            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+          return jax.lax.dot_general(
+              a, b, (((1,), (1,)), ((), ())),
+              preferred_element_type=jnp.float32, precision=precision)
         unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
                 + dot(q_unit[1], y_unit[0]))
         extra_ref[0][at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
@@ -216,7 +225,8 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
 # products (hi*hi + hi*lo + lo*hi) at float16's rate; "tf32x3", the same
 # three products in TF32 (Triton's preset), the key pass 0.41 ms against
 # 0.33 at 2x8192x32x128 on the H100 with 8 warps (0.24 with 4:
-# ``benchmarks/smooth_bias.py``).
+# ``benchmarks/smooth_bias.py``; 3xTF32 was the faster on 8 warps, 0.41
+# against 0.52 ms on 4).
 # Triton's IEEE float32 dot runs on the FMA units at a few percent of
 # their peak.
 BIAS_PRODUCTS = "f16x3"
@@ -227,24 +237,31 @@ def _f16_split(x, amax):
   """float32 rows ``x`` as ``amax * (hi + lo)``: ``(hi, lo)`` float16 with
   ``|hi| <= 1`` and ``hi + lo`` within ``2^-22`` of ``x / amax`` (a row of
   zeros keeps ``amax = 0``)."""
+  # (an amax below float32's smallest normal would overflow 1 / amax: such
+  # a row's products are below float32's range anyway, so they become 0)
+  amax = jnp.where(amax >= np.float32(np.finfo(np.float32).tiny), amax, 0.0)
   unit = x * common.reciprocal_rn(amax)[:, None]
   hi = unit.astype(jnp.float16)
+  if common.interpret():  # XLA would fold f32(f16(unit)) into unit (its
+    # excess precision), which zeroes lo
+    hi = jax.lax.optimization_barrier(hi)
   lo = (unit - hi.astype(jnp.float32)).astype(jnp.float16)
   return (hi, lo), amax
 
 
-def _tile_mean(x, keep, count, flag_nonfinite):
+def _tile_mean(x, keep, count):
   """``fl(sum x * fl(1 / count))`` over the tile's kept rows (SageAttention2's
   query-block mean, the sum in the kernel's order), NaN/Inf counted as 0
-  where ``flag_nonfinite``; ``count``: the rows below the length."""
+  (as :func:`jaxattn.nonfinite.finite` does for the XLA means);
+  ``count``: the rows below the length."""
   total = jnp.where(keep, x, 0.0).sum(axis=0)
-  if flag_nonfinite:  # a finite sum: no NaN/Inf (float32 overflow takes
-    # the second sum too, with the same result)
-    # (NaN counted as inf: the GPU's max passes over NaN)
-    total = jax.lax.cond(
-        jnp.where(total == total, jnp.abs(total), jnp.inf).max() < jnp.inf,
-        lambda: total,
-        lambda: jnp.where(keep & jnp.isfinite(x), x, 0.0).sum(axis=0))
+  # A finite sum holds no NaN/Inf (a float32 overflow takes the second sum
+  # too, with the same result); NaN counts as inf here, since the GPU's
+  # max passes over NaN.
+  total = jax.lax.cond(
+      jnp.where(total == total, jnp.abs(total), jnp.inf).max() < jnp.inf,
+      lambda: total,
+      lambda: jnp.where(keep & jnp.isfinite(x), x, 0.0).sum(axis=0))
   rcp = common.reciprocal_rn(jnp.clip(count, 1, x.shape[0]).astype(
       jnp.float32) * jnp.ones_like(total))
   return common.multiply_rn(total, rcp)
@@ -264,7 +281,8 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   per tile: the query-block means, ``block = block_q``), or
   ``"tile_mean"``: each tile's own mean over its rows below ``lens``
   (SageAttention2's query-block means, from the tile the pass reads
-  anyway; returned in place of the bias), subtracted before the scales.  Scales are ``fl(amax * fl(1/qmax))``, values
+  anyway; returned in place of the bias), subtracted before the scales.
+  Scales are ``fl(amax * fl(1/qmax))``, values
   ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
   (fp8), rounded exactly on the GPU through :func:`common.round_half_even`
   and :func:`common.reciprocal_rn`.

@@ -238,8 +238,9 @@ def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows(grouped):
 def test_rows_operand_tile_mean_is_the_query_block_mean(flag):
   """``shift="tile_mean"``: each tile subtracts its own rows' mean, which
   it returns; both equal the XLA query-block means and the pass given
-  them (a last tile of 8 rows, and with ``flag_nonfinite`` NaN/Inf counted
-  as 0 in the mean as in the values, here bit for bit)."""
+  them (a last tile of 8 rows, NaN/Inf counted as 0 in the mean as in the
+  values, here bit for bit); rows at or past a length are left out of the
+  mean (numpy float64, to summation order) and quantize to 0."""
   x = jax.random.normal(jax.random.key(7), (2, 200, 2, 96), jnp.float16) + 2
   if flag:
     x = x.at[0, 70, 1, 5].set(jnp.inf).at[1, 199, 0, 0].set(jnp.nan)
@@ -255,6 +256,20 @@ def test_rows_operand_tile_mean_is_the_query_block_mean(flag):
     np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   if flag:
     assert np.asarray(got[3]).sum() == 2 and got[3][1, 199, 0]
+  # rows at or past a length: out of the mean and the values (numpy, f64)
+  short = jnp.array([150, 200])
+  got = quantizers.rows_operand(x, short, shift="tile_mean", **kw)
+  xf = np.asarray(x, np.float64)
+  xf = np.where(np.isfinite(xf), xf, 0.0)
+  rows = np.arange(256)[None, :, None, None] < np.asarray(short)[:, None,
+                                                                 None, None]
+  xf = np.where(rows, np.pad(xf, [(0, 0), (0, 56), (0, 0), (0, 0)]), 0.0)
+  counts = np.clip(np.asarray(short)[:, None] - 64 * np.arange(4), 1, 64)
+  want = xf.reshape(2, 4, 64, 2, 96).sum(2) / counts[:, :, None, None]
+  np.testing.assert_allclose(np.asarray(got[2]), want, rtol=1e-6)
+  assert (np.asarray(got[2])[0, 3] == 0).all()     # a tile past the length
+  assert (np.asarray(got[0])[0, 150:] == 0).all()
+  assert (np.asarray(got[1])[0, 160:] == 0).all()     # whole groups past it
   with pytest.raises(ValueError, match="tile_mean"):
     quantizers.rows_operand(x, lens, shift="tile_mean", bias_q_mean=x, **kw)
 
