@@ -297,13 +297,13 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   :func:`quantizers.rows_operand`: each read once, K after its mean (XLA's
   reduction pass), Q subtracting each query block's mean as the pass reads
   the block (SageAttention2's smoothing), the SageAttention2 bias from the
-  same key tiles.  The values and
-  scales of :func:`sage_inputs` / :func:`int8_inputs` / :func:`fp8_inputs`
-  bit for bit (for sage's Q, up to the summation order of the query-block
-  means: the kernel's against XLA's; equal on the CPU); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2
-  e`` folded into ``q_m``) to float32 accumulation order.  None where a
-  granularity needs a whole-sequence amax ("tensor"): the XLA quantizers
-  then.
+  same key tiles.  The values and scales of :func:`sage_inputs` /
+  :func:`int8_inputs` / :func:`fp8_inputs` bit for bit (for sage's Q, up to
+  the summation order of the query-block means: the kernel's against
+  XLA's; equal on the CPU); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c =
+  scale log2 e`` folded into ``q_m``) to float32 accumulation order.  None
+  where a granularity needs a whole-sequence amax ("tensor"): the XLA
+  quantizers then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
   ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,

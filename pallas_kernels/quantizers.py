@@ -199,22 +199,14 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
     def chunk(c, carry):
       at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
       qm = qm_ref[at, :]
+      dot = functools.partial(_rows_dot, precision=precision)
       if products == "f16x3":
         q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
-        def dot(a, b):  # float16 products are exact in float32; XLA:CPU's
-          # float16 dot need not keep them so (the interpreter)
-          if common.interpret():
-            a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-          return jax.lax.dot_general(
-              a, b, (((1,), (1,)), ((), ())),
-              preferred_element_type=jnp.float32, precision=precision)
         unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
                 + dot(q_unit[1], y_unit[0]))
         extra_ref[0][at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
       else:
-        extra_ref[0][at, :] = jax.lax.dot_general(
-            qm, y, (((1,), (1,)), ((), ())),
-            preferred_element_type=jnp.float32, precision=precision)
+        extra_ref[0][at, :] = dot(qm, y)
       return carry
     jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, chunk, 0)
 
@@ -231,6 +223,17 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
 # their peak.
 BIAS_PRODUCTS = "f16x3"
 _BIAS_PRESETS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
+
+
+def _rows_dot(a, b, precision):
+  """``a b^T`` in float32.  Float16 products are exact in float32; in the
+  interpreter they are taken in float32, since XLA:CPU's float16 dot need
+  not keep them so."""
+  if common.interpret():
+    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
+  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                             preferred_element_type=jnp.float32,
+                             precision=precision)
 
 
 def _f16_split(x, amax):
