@@ -71,6 +71,9 @@ class QuantizedOperands:
     qk: "int8", "int4" or "fp8"; pv: "int8", "fp8", "fp16" or "uint8".
     bias_rows: query rows per ``q_block_bias`` row.
     v_keys_ordered: V's keys are in the register-operand order.
+    k_scale_keys: keys that share one K scale, counted from key 0 (1: per
+      token; ``block_k``: per block; ``S`` or more: one per head), so that
+      a kernel can take one scale per key block where they allow it.
   """
   q: jax.Array
   q_scale: jax.Array
@@ -93,6 +96,8 @@ class QuantizedOperands:
                                             metadata=dict(static=True))
   v_keys_ordered: bool = dataclasses.field(default=False,
                                            metadata=dict(static=True))
+  k_scale_keys: int = dataclasses.field(default=1,
+                                        metadata=dict(static=True))
 
 
 def kv_heads_last(x):
@@ -510,7 +515,8 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         out_shift=z["v_mean"], qk=qk, pv=config.pv_dtype,
         k_shift=z["k_mean"] if config.smooth_k else None,
         bias_rows=config.block_q if config.smooth_q else None,
-        v_keys_ordered=v_key_order and fp8_pv)
+        v_keys_ordered=v_key_order and fp8_pv,
+        k_scale_keys=sage.k_group_rows(config, s_len))
   if method == "int8":
     z = int8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
                     v_values=False, qk_values=fused is None)
@@ -569,7 +575,9 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         v_block_scale=v_block_scale,
         score_bound=_score_bound(q_scale, k_scale, quant.FP8_MAX, d),
         out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),
-        qk="fp8", pv="fp8", v_keys_ordered=v_key_order)
+        qk="fp8", pv="fp8", v_keys_ordered=v_key_order,
+        k_scale_keys=(config.block_k if config.granularity == "block"
+                      else s_len))
   raise ValueError(f"no quantized operands for method {method!r}")
 
 
@@ -648,5 +656,5 @@ def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):
   ops = QuantizedOperands(
       q=qz["q"], q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=qz["k"],
       k_scale=jnp.ones(k.shape[:3], jnp.float32), v=kv_heads_last(qz["v"]),
-      v_colsum=colsum, qk="int8", pv="uint8")
+      v_colsum=colsum, qk="int8", pv="uint8", k_scale_keys=k.shape[1])
   return ops, qz["v_scale"]

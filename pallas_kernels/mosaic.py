@@ -18,7 +18,10 @@ Operand types (static ``qk`` / ``pv``):
   ``scale * log2 e`` folded into ``q_scale`` (SageAttention,
   INT-FlashAttention); without a smoothing bias the softmax applies
   ``q_scale > 0`` itself (row max of ``S_i32 k_scale`` times ``q_scale``,
-  one FMA per score in the exponent);
+  one FMA per score in the exponent).  Where K's scales are one per key
+  block (per block or per tensor: ``k_block_scale``) the block's ``k_j``
+  joins the row factor ``q_scale k_j`` instead, and no per-key scale is
+  loaded or multiplied;
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
 * ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
@@ -350,7 +353,8 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
 def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa_inva,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
-            has_segments, has_qk_scales, has_qbias, bias_rows, has_vbs,
+            has_segments, has_qk_scales, k_scale_per_block, has_qbias,
+            bias_rows, has_vbs,
             has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
             exact_exponent, return_lse, fresh_accumulators):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
@@ -358,7 +362,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
   blocks of each warpgroup's rows (:func:`common.block_ranges`); optional
   segment ids ``[B, T]`` and ``[B, S]`` int32; optional
-  q_scale ``[B, N, T]`` and k_scale ``[B, K, S]`` float32 (8-bit QK);
+  q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
+  with ``k_scale_per_block`` ``[B, K, S / block_k]``;
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
   optional PASA block weights ``[B, K, nb]`` float32; optional V column
@@ -456,12 +461,13 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
       plgpu.barrier_wait(q_bars.at[wg])
 
-      def scores(s, j, masked):
+      def scores(s, j, masked, k_scale=None):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
-        the exponent's factor and the visibility mask; frees K's slot."""
+        the exponent's factor and the visibility mask; frees K's slot.
+        ``k_scale``: the block's one K scale (``k_scale_per_block``)."""
         slot = slot_of(j)
         # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
-        if has_qk_scales:
+        if has_qk_scales and not k_scale_per_block:
           plgpu.barrier_wait(ks_bars.at[slot])
           k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
                                optimized=False)
@@ -469,11 +475,24 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           plgpu.barrier_wait(qb_bars.at[slot])
           qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
         plgpu.barrier_arrive(k_consumed.at[slot])
-        if has_qk_scales and not has_qbias:
+        if k_scale_per_block and not (has_qbias or exact_exponent):
+          # One K scale for the block: S_i32 q_scale k_j, with the row
+          # factor q_scale k_j > 0 applied by the softmax (no multiply per
+          # score; tiny keeps -inf * c at -inf where k_j = 0)
+          s = s.astype(f32)
+          c = jnp.maximum(q_scale * k_scale,
+                          np.float32(np.finfo(np.float32).tiny))
+        elif k_scale_per_block and has_qbias:  # one FMA per score with qb
+          s = s.astype(f32) * lax.broadcast_in_dim(q_scale * k_scale,
+                                                   s.shape, [0])
+          c = 1.0
+        elif has_qk_scales and not has_qbias:
           # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
           # row max of S_i32 k_scale times q_scale, one FMA per score in the
-          # exponent
-          s = s.astype(f32) * lax.broadcast_in_dim(k_scale, s.shape, [1])
+          # exponent (the exact exponent keeps m in the units of S_i32
+          # k_scale, the same in every block)
+          s = s.astype(f32) * (k_scale if k_scale_per_block else
+                               lax.broadcast_in_dim(k_scale, s.shape, [1]))
           c = q_scale
         elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
           s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
@@ -616,6 +635,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
         slot = slot_of(j)
+        # (issued before the QK wait, so that the load's latency hides)
+        k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -631,7 +652,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         if pasa_running:   # Sbar': the float32 product's mean, before masks
           s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-        s, c, visible = scores(s, j, masked)
+        s, c, visible = scores(s, j, masked, k_block)
         shift = None
         if pasa_running:   # PASA steps 3-4 move the online softmax's max
           seen = (None if visible is None else
@@ -686,7 +707,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         slot = slot_of(j)
         plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
         plgpu.barrier_wait(v_bars.at[slot])
-        if has_qk_scales:
+        if has_qk_scales and not k_scale_per_block:
           plgpu.barrier_wait(ks_bars.at[slot])
         if has_qbias:
           plgpu.barrier_wait(qb_bars.at[slot])
@@ -751,7 +772,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
                  else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
-        if has_qk_scales:
+        if has_qk_scales and not k_scale_per_block:
           plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
                                   ks_smem.at[slot], ks_bars.at[slot])
         if has_qbias:  # both consumers' rows lie in one bias block
@@ -787,7 +808,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       _smem((stages, bk, head_dim), k_dtype),
       _smem((stages, *v_tile), v_dtype),
       _smem((2, bq, bk), p_dtype) if p_in_smem else None,
-      plgpu.SMEM((stages, bk), jnp.float32) if has_qk_scales else None,
+      (plgpu.SMEM((stages, bk), jnp.float32)
+       if has_qk_scales and not k_scale_per_block else None),
       plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
       plgpu.SMEM((2, bq), jnp.float32) if return_lse else None,
   ]
@@ -806,7 +828,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
 
 
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
-                     scale=None, q_scale=None, k_scale=None, q_block_bias=None,
+                     scale=None, q_scale=None, k_scale=None,
+                     k_block_scale=None, q_block_bias=None,
                      bias_rows=None, v_block_scale=None, v_colsum=None,
                      out_scale=None,
                      out_shift=None, pasa_inva=None,
@@ -823,7 +846,12 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       float16/bfloat16 (``pv="fp16"``) or ``[B, K, D, S]`` float8_e4m3fn /
       int8 (``pv="fp8"`` / ``"int8"``, ``"uint8"``); kv_lens int32 ``[B]``.
     scale: the softmax scale (``qk="fp16"``); q_scale ``[B, T, N]`` (times
-      ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK.
+      ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK,
+      or instead of k_scale one K scale per key block, k_block_scale
+      ``[B, K, ceil(S / block_k)]`` (per-block and per-tensor K scales):
+      the row factor ``q_scale k_j`` then multiplies the block's scores
+      once, where per-key scales cost a multiply per score and a
+      shared-memory row per block.
     q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
       score bias shared by each block of ``bias_rows`` query rows (a multiple
       of ``block_q``), or None.
@@ -897,9 +925,18 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
   args = [q, k, v, bounds, ranges, *segments]
   has_qk_scales = qk != "fp16"
+  if has_qk_scales and (k_scale is None) == (k_block_scale is None):
+    raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")
   if has_qk_scales:
-    args += [pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1),
-             pad(k_scale.astype(jnp.float32), 1, s_pad).transpose(0, 2, 1)]
+    args.append(pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1))
+    if k_scale is not None:
+      args.append(pad(k_scale.astype(jnp.float32), 1, s_pad).transpose(0, 2, 1))
+    else:
+      if k_block_scale.shape != (b, nk, -(-s_len // bk)):
+        raise ValueError(f"k_block_scale must be [B, K, ceil(S / block_k)] = "
+                         f"{(b, nk, -(-s_len // bk))}, got "
+                         f"{k_block_scale.shape}")
+      args.append(k_block_scale.astype(jnp.float32))
   if q_block_bias is not None:
     if bias_rows % (2 * bq):
       raise ValueError(f"bias_rows={bias_rows} must be a multiple of "
@@ -945,6 +982,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       f16_scores=bool(f16_scores or pasa_running),
       has_shifted=pasa_shifted is not None, has_segments=bool(segments),
       has_qk_scales=has_qk_scales,
+      k_scale_per_block=has_qk_scales and k_block_scale is not None,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, p_in_smem=p_in_smem,

@@ -553,3 +553,45 @@ def test_mosaic_fp16_fp32_block_of_minus_inf_scores():
   assert bool(jnp.isfinite(ref).all())
   assert bool(jnp.isfinite(out).all())
   assert _rel(out, ref) < TOL, _rel(out, ref)
+
+
+@pytest.mark.parametrize("method,opts", [
+    ("fp8", {"granularity": "block", "block_k": 128}),
+    ("sage", {})], ids=str)
+def test_mosaic_block_k_scales_equal_per_key_scales(method, opts):
+  """One K scale per key block (``k_block_scale``: the row factor ``q_scale
+  k_j`` in the exponent, or times the scores before SageAttention2's bias)
+  gives the per-key kernel's output up to flips of the 8-bit P (the
+  exponent's product rounds once instead of twice), and the same bits
+  with the exact exponent (the same products); a key block of zeros (k_j =
+  0) under a causal mask stays finite."""
+  from jaxattn.backends import mosaic as mosaic_backend
+  from pallas_kernels import mosaic
+  kq, kk, kv = jax.random.split(jax.random.key(7), 3)
+  b, t, s, n, d = 1, 256, 200, 2, 64
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = (jax.random.normal(kk, (b, s, n, d), jnp.float16) + 0.5).at[:, 128:].set(0)
+  v = jax.random.normal(kv, (b, s, n, d), jnp.float16)
+  lens = jnp.full((b,), s, jnp.int32)
+  cfg = api.config_for(method, "mosaic", **opts)
+  ops = mosaic_backend._prepare(method, q, k, v, lens, scale=d ** -0.5,
+                                config=cfg)
+  per_block = mosaic_backend._k_scales(ops, cfg.block_k)
+  assert set(per_block) == {"k_block_scale"}
+  if method == "fp8":   # (sage's keys are shifted by their mean first)
+    assert float(per_block["k_block_scale"][0, 0, 1]) == 0.0
+  run = lambda exact, **scales: mosaic.mosaic_attention(
+      ops.q, ops.k, ops.v, lens, qk=ops.qk, pv=ops.pv, is_causal=True,
+      params=mosaic.MosaicParams(block_k=cfg.block_k), q_scale=ops.q_scale,
+      q_block_bias=ops.q_block_bias, bias_rows=ops.bias_rows,
+      v_block_scale=ops.v_block_scale, out_scale=ops.out_scale,
+      out_shift=ops.out_shift, v_keys_ordered=ops.v_keys_ordered,
+      exact_exponent=exact, **scales)
+  fused = np.asarray(run(False, **per_block), np.float32)
+  assert np.isfinite(fused).all()
+  assert _rel(fused, run(False, k_scale=ops.k_scale)) < TOL_8BIT_P
+  if ops.q_block_bias is None:   # (with the bias the products regroup)
+    np.testing.assert_array_equal(run(True, **per_block),
+                                  run(True, k_scale=ops.k_scale))
+  with pytest.raises(ValueError, match="one of them"):
+    run(False, k_scale=ops.k_scale, **per_block)

@@ -190,6 +190,15 @@ def _prepare(method, q, k, v, kv_lens, *, scale, config, segments=None):
       v_key_order=mosaic.p_in_registers(), segments=segments)
 
 
+def _k_scales(ops: operands.QuantizedOperands, block_k: int) -> dict:
+  """The kernel's K scales: one per key block (``k_block_scale``) where
+  the operands' scale groups hold whole blocks, else one per key."""
+  s_len = ops.k_scale.shape[1]
+  if ops.k_scale_keys >= s_len or ops.k_scale_keys % block_k == 0:
+    return dict(k_block_scale=ops.k_scale[:, ::block_k].transpose(0, 2, 1))
+  return dict(k_scale=ops.k_scale)
+
+
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
             *, is_causal, config, out_dtype, index_mask=None,
             return_lse=False):
@@ -203,7 +212,8 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       mosaic.mosaic_attention,
       ops.q, ops.k, ops.v, kv_lens, qk=ops.qk, pv=ops.pv, is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k),
-      q_scale=ops.q_scale, k_scale=ops.k_scale, q_block_bias=ops.q_block_bias,
+      q_scale=ops.q_scale, **_k_scales(ops, config.block_k),
+      q_block_bias=ops.q_block_bias,
       bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
       out_scale=ops.out_scale, out_shift=ops.out_shift,
       v_keys_ordered=ops.v_keys_ordered,
@@ -226,7 +236,8 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       mosaic.mosaic_attention, ops.q, ops.k, ops.v, kv_lens, qk="int8",
       pv="uint8", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k),
-      q_scale=ops.q_scale, k_scale=ops.k_scale, v_colsum=ops.v_colsum,
+      q_scale=ops.q_scale, **_k_scales(ops, config.block_k),
+      v_colsum=ops.v_colsum,
       out_scale=out_scale, out_shift=jnp.zeros_like(out_scale),
       out_dtype=jnp.float32, index_mask=index_mask), bound)
   return fmha.method_output(o, config=config)

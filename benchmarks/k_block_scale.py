@@ -1,0 +1,118 @@
+"""A/B of the Mosaic kernel's K scales: one per key block
+(``k_block_scale``, a scalar load per step and the row factor ``q_scale
+k_j`` in the exponent) against one per key (a shared-memory row streamed
+with K and a multiply per score), for the methods whose K scales are per
+block or per head.  H100, kernels alone (fmha_int8 end to end: its adapter
+has no separate kernel stage), in one process against cuDNN bfloat16.
+
+  python benchmarks/k_block_scale.py OUT.json [--causal] [--shape B,S,N,D]
+
+Each setting is compiled ahead of time (the choice is made when the call
+is traced), then all are timed in interleaved rounds of alternating order.
+The two settings' outputs are compared (the fused exponent rounds ``S
+q_scale k_j`` once where the per-key form rounded ``S k_j`` first; the
+exact exponent is the same arithmetic), and each setting's error against
+float32 attention is taken on the benchmark's realistic inputs
+(:func:`jaxattn.bench.accuracy_inputs`).
+"""
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import api, bench
+from jaxattn.backends import mosaic as mosaic_backend
+from jaxattn.tuning import time_call
+
+VARIANTS = [  # (name, method, options, kernel alone)
+    ("fp8", "fp8", {}, True),
+    ("fp8_block", "fp8", {"granularity": "block"}, True),
+    ("sage2-8b", "sage", {"preset": "sage2-8b"}, True),
+    ("fmha_int8_e2e", "fmha_int8", {}, False),
+]
+PER_BLOCK = mosaic_backend._k_scales
+
+
+def per_key(ops, block_k):
+  del block_k
+  return dict(k_scale=ops.k_scale)
+
+
+def build(method, opts, alone, causal, d):
+  if alone:
+    setup = bench.kernel_alone(causal, d, [("k", method, opts)])["k_mosaic"]
+    return setup
+  def setup(q, k, v):
+    fn = jax.jit(lambda q, k, v: api.dot_product_attention(
+        q, k, v, is_causal=causal, method=method, implementation="mosaic",
+        **opts))
+    return fn, (q, k, v)
+  return setup
+
+
+def main(out_path, causal, shape):
+  b, s, h, d = shape
+  ks = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(x, (b, s, h, d), jnp.float32).astype(
+      jnp.float16) for x in ks)
+  acc_in = bench.accuracy_inputs((b, h, s, d))
+  cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal,
+      implementation="cudnn" if jax.default_backend() == "gpu" else "xla"))
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  calls, checks = {}, {}
+  for name, method, opts, alone in VARIANTS:
+    outs = {}
+    for setting, fn_k in (("per_key", per_key), ("per_block", PER_BLOCK)):
+      mosaic_backend._k_scales = fn_k
+      jax.clear_caches()   # the API's jit keeps the last trace otherwise
+      fn, args = build(method, opts, alone, causal, d)(q, k, v)
+      compiled = fn.lower(*args).compile()
+      outs[setting] = np.asarray(jax.block_until_ready(compiled(*args)),
+                                 np.float32)
+      calls[f"{name}/{setting}"] = (compiled, args)
+      e2e = lambda q, k, v: api.dot_product_attention(
+          q, k, v, is_causal=causal, method=method, implementation="mosaic",
+          **opts)
+      checks[f"{name}/{setting}"] = bench.accuracy(e2e, jnp.float16, acc_in,
+                                                   causal)
+    mosaic_backend._k_scales = PER_BLOCK
+    a, c = outs["per_key"], outs["per_block"]
+    checks[name] = dict(
+        bit_identical=bool(np.array_equal(a, c, equal_nan=True)),
+        max_abs_diff=float(np.nanmax(np.abs(a - c))),
+        nan_per_key=int(np.isnan(a).sum()), nan_per_block=int(np.isnan(c).sum()))
+    print(name, checks[name], checks[f"{name}/per_key"],
+          checks[f"{name}/per_block"], flush=True)
+  rows = []
+  keys = list(calls)
+  for rnd in range(3):
+    t_ref = time_call(cudnn, bf)
+    for key in (keys if rnd % 2 == 0 else keys[::-1]):
+      fn, args = calls[key]
+      t = time_call(fn, args)
+      rows.append(dict(round=rnd, call=key, ms=t * 1e3,
+                       cudnn_bf16_ms=t_ref * 1e3, ratio=t_ref / t))
+      print(f"round {rnd} {key:28s} {t * 1e3:.3f} ms  x{t_ref / t:.3f} "
+            f"(cuDNN bf16 {t_ref * 1e3:.3f} ms)", flush=True)
+    with open(out_path, "w") as f:
+      json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
+                               jax=jax.__version__, causal=causal,
+                               shape=f"BTNH {b}x{s}x{h}x{d}"),
+                     checks=checks, rows=rows), f, indent=1)
+  for key in keys:
+    r = [x["ratio"] for x in rows if x["call"] == key]
+    m = [x["ms"] for x in rows if x["call"] == key]
+    print(f"{key:28s} " + " ".join(f"{x:.3f}" for x in m) + " ms  x"
+          + " ".join(f"{x:.3f}" for x in r))
+
+
+if __name__ == "__main__":
+  ap = argparse.ArgumentParser()
+  ap.add_argument("out")
+  ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--shape", default="2,8192,32,128")
+  a = ap.parse_args()
+  main(a.out, a.causal, tuple(map(int, a.shape.split(","))))
