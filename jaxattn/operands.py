@@ -306,9 +306,10 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   :func:`int8_inputs` / :func:`fp8_inputs` bit for bit (for sage's Q, up to
   the summation order of the query-block means: the kernel's against
   XLA's; equal on the CPU); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c =
-  scale log2 e`` folded into ``q_m``) to float32 accumulation order.  None
-  where a granularity needs a whole-sequence amax ("tensor"): the XLA
-  quantizers then.
+  scale log2 e`` folded into ``q_m``) to float32 accumulation order.  fp8's
+  per-head ("tensor") scales come from an XLA amax pass first.  None where
+  a granularity does not fit the kernel (sage's and INT8's "tensor",
+  groups that are not powers of two up to 128): the XLA quantizers then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
   ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,
@@ -327,15 +328,30 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
     return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
                 k_bad=k_bad)
   if method == "fp8":
-    if config.granularity != "block" or not _fits_rows_kernel(
-        config.block_q, config.block_k):
+    fp8_dtype = jnp.float8_e4m3fn
+    if config.granularity == "tensor":
+      # one scale per head from an XLA amax pass over the finite values
+      # (keys below the length), then one quantizing pass each
+      def head_scale(x, valid):
+        x = jnp.where(valid, nonfinite.finite(x).astype(jnp.float32), 0.0)
+        return jnp.abs(x).max(axis=(1, 3)) * fp8.RCP_FP8_MAX      # [B, H]
+      sq = head_scale(q, True)
+      sk = head_scale(k, _valid_keys(k, kv_lens))
+      q8, _, _, q_bad = rows_operand(q, q_lens, group=1, dtype=fp8_dtype,
+                                     scale=sq)
+      k8, _, _, k_bad = rows_operand(k, kv_lens, group=1, dtype=fp8_dtype,
+                                     scale=sk)
+      per_row = lambda sc, n: jnp.broadcast_to(sc[:, None], (b, n,
+                                                             sc.shape[1]))
+      return dict(q8=q8, q_scale=per_row(sq, t), k8=k8,
+                  k_scale=per_row(sk, s), q_bad=q_bad, k_bad=k_bad)
+    if not _fits_rows_kernel(config.block_q, config.block_k):
       return None
-    fp8 = jnp.float8_e4m3fn
     q8, q_scale, _, q_bad = rows_operand(
-        q, q_lens, group=config.block_q, dtype=fp8,
+        q, q_lens, group=config.block_q, dtype=fp8_dtype,
         block=max(128, config.block_q))
     k8, k_scale, _, k_bad = rows_operand(
-        k, kv_lens, group=config.block_k, dtype=fp8,
+        k, kv_lens, group=config.block_k, dtype=fp8_dtype,
         block=max(128, config.block_k))
     return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
                 k_bad=k_bad)
@@ -553,20 +569,21 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     z = fp8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
                    v_values=False, qk_values=fused is None)
     inv_v = quant.reciprocal(z["v_scale"])
+    if fused is not None:             # one scale per row already
+      q_scale, k_scale = fused["q_scale"], fused["k_scale"]
+      z.update(q=fused["q8"], k=fused["k8"])
     if config.granularity == "block":  # scales [B, groups, heads]
       v_op = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
       if fused is None:
         q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
         k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
-      else:                           # already one per row
-        q_scale, k_scale = fused["q_scale"], fused["k_scale"]
-        z.update(q=fused["q8"], k=fused["k8"])
       v_block_scale = z["v_scale"].transpose(0, 2, 1)
       out_scale = jnp.full(kv_shape, 1.0 / quant.FP8_MAX, jnp.float32)
     else:                              # scales [B, heads]
       v_op = v8(jnp.float8_e4m3fn, inv_channel=_channels(inv_v, kv_shape))
-      q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
-      k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
+      if fused is None:
+        q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
+        k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
       v_block_scale = None
       out_scale = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
     q_scale = q_scale * (scale * base.LOG2E)

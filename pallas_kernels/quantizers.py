@@ -122,7 +122,7 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
 
 
 def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
-                 flag_nonfinite):
+                 flag_nonfinite, given_scale):
   """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
   group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
   ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
@@ -132,9 +132,12 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   ``shift="tile_mean"``: the shift is the tile's own mean
   (:func:`_tile_mean`), written to the output after the scales instead of
   the bias.  With ``flag_nonfinite``, NaN/Inf elements count as 0 and the
-  last output flags the rows that hold one."""
+  last output flags the rows that hold one.  ``given_scale``: one scale
+  for the tile, given (the head's, from a whole-sequence amax), in place
+  of the groups' own."""
   refs = list(refs)
   shift_ref = refs.pop(0) if shift == "given" else None
+  given_ref = refs.pop(0) if given_scale else None
   qm_ref = refs.pop(0) if bias_chunk else None
   bad_ref = refs.pop() if flag_nonfinite else None
   o_ref, scale_ref, *extra_ref = refs   # extra: the bias or the tile mean
@@ -174,11 +177,14 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
                  jnp.zeros_like(row_max)))
   else:
     y, amax = shifted(x)
-  if group > 1:
-    per_group = amax.reshape(block // group, group).max(axis=1)
-    amax = jnp.broadcast_to(per_group[:, None],
-                            (block // group, group)).reshape(block)
-  scale = amax * np.float32(1.0 / qmax)
+  if given_scale:
+    scale = jnp.broadcast_to(given_ref[...], (block,))
+  else:
+    if group > 1:
+      per_group = amax.reshape(block // group, group).max(axis=1)
+      amax = jnp.broadcast_to(per_group[:, None],
+                              (block // group, group)).reshape(block)
+    scale = amax * np.float32(1.0 / qmax)
   z = y * common.reciprocal_rn(scale)[:, None]
   if o_ref.dtype == jnp.int8:
     z = jnp.clip(common.round_half_even(z), -qmax, qmax)
@@ -271,7 +277,7 @@ def _tile_mean(x, keep, count):
 
 
 def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
-                 bias_q_mean=None, block: int = 128,
+                 scale=None, bias_q_mean=None, block: int = 128,
                  num_warps: int | None = None, bias_chunk: int | None = None,
                  flag_nonfinite: bool = False):
   """Q or K quantized per group of rows in one pass (a Pallas kernel).
@@ -288,7 +294,9 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   Scales are ``fl(amax * fl(1/qmax))``, values
   ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
   (fp8), rounded exactly on the GPU through :func:`common.round_half_even`
-  and :func:`common.reciprocal_rn`.
+  and :func:`common.reciprocal_rn`.  ``scale`` float32 ``[B, H]``: one
+  given scale per head instead (per-tensor granularity: the amax over the
+  whole sequence is another pass's), which ``group`` then does not change.
 
   ``bias_q_mean`` float32 ``[B, H, R, D]`` (SageAttention2's query-block
   means, ``R`` rows per key head): also returns ``bias`` ``[B, H, R, L]`` =
@@ -333,6 +341,12 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
         (None, None, None, d_block),
         lambda bi, j, hi: (bi, j if per_tile else 0, hi, 0)))
     args.append(common.pad_axis(shift.astype(jnp.float32), 3, d_block))
+  if scale is not None:
+    if bias_q_mean is not None or tile_mean:
+      raise ValueError("a given scale goes without the bias and tile means")
+    in_specs.append(pl.BlockSpec((None, None, 1),
+                                 lambda bi, j, hi: (bi, hi, 0)))
+    args.append(jnp.asarray(scale, jnp.float32).reshape(b, h, 1))
   out_specs = [pl.BlockSpec((None, block, None, d_block),
                             lambda bi, j, hi: (bi, j, hi, 0)),
                pl.BlockSpec((None, block, None), lambda bi, j, hi: (bi, j, hi))]
@@ -366,7 +380,8 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                         shift=("tile_mean" if tile_mean else
                                "given" if shift is not None else None),
                         bias_chunk=bias_chunk,
-                        flag_nonfinite=flag_nonfinite),
+                        flag_nonfinite=flag_nonfinite,
+                        given_scale=scale is not None),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=pl_triton.CompilerParams(
           num_warps=num_warps or 4, num_stages=2),

@@ -125,6 +125,7 @@ def test_v_in_mosaic_key_order(method):
     ("sage", dict(qk_granularity="token", smooth_v=False), dict()),
     ("sage", dict(block_k=128, block_q=64, warp_rows=16), dict(t=129)),
     ("int8", dict(), dict(d=96)),
+    ("fp8", dict(), dict(s=77)),                       # per head
     ("fp8", dict(granularity="block"), dict()),
     ("fp8", dict(granularity="block", block_k=128, block_q=64), dict(s=77)),
 ], ids=str)
@@ -144,10 +145,13 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
     quantizer = {"int8": prepare.int8_inputs, "fp8": prepare.fp8_inputs}
     ref = quantizer[method](q, k, v, lens, config=cfg)
     ref_scale = ref["q_scale"]
-    if method == "fp8":  # per group -> per row
+    if method == "fp8" and cfg.granularity == "block":  # per row
       ref_scale = jnp.repeat(ref_scale, cfg.block_q, axis=1)[:, :q.shape[1]]
       ref["k_scale"] = jnp.repeat(ref["k_scale"], cfg.block_k,
                                   axis=1)[:, :k.shape[1]]
+    elif method == "fp8":                 # per head -> per row
+      ref_scale = jnp.broadcast_to(ref_scale[:, None], q.shape[:3])
+      ref["k_scale"] = jnp.broadcast_to(ref["k_scale"][:, None], k.shape[:3])
   got = {n: fused[n] for n in ("q8", "k8", "k_scale")}
   want = dict(q8=ref["q"], k8=ref["k"], k_scale=ref["k_scale"])
   _assert_same(got, want)
