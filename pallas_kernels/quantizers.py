@@ -72,7 +72,8 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
 
 
 def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
-              key_order=False, flag_nonfinite=False, block_s=128):
+              key_order=False, flag_nonfinite=False, block_s=128,
+              num_warps=4):
   """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
   D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
   127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
@@ -113,7 +114,8 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
                 pl.BlockSpec((None, 1), lambda bi, h, j: (bi, 0)),
                 chan, chan, per_key],
       out_specs=out_specs, out_shape=out_shape,
-      compiler_params=pl_triton.CompilerParams(num_warps=4, num_stages=2),
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                               num_stages=2),
       interpret=common.interpret(), name="jaxattn_v_operand",
   )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
     shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
