@@ -11,9 +11,10 @@ per-key K scales, and SageAttention2's smoothing bias from the same key
 tiles.  The 8-bit V is written once by another
 (:func:`pallas_kernels.quantizers.v_operand`), transposed to ``[B, K, D,
 S]``, beside the per-channel epilogue ``O / l * out_scale + out_shift``.
-Per-tensor ("tensor") scales keep the BTNH XLA quantizers
-(:func:`sage_inputs`, :func:`int8_inputs`, :func:`fp8_inputs`, which are
-also the bit-for-bit checks of the Pallas quantizers).
+fp8's per-head ("tensor") scales take an XLA amax pass first; sage's
+"tensor" granularity keeps the BTNH XLA quantizers (:func:`sage_inputs`,
+:func:`int8_inputs`, :func:`fp8_inputs`, which are also the bit-for-bit
+checks of the Pallas quantizers).
 
 :func:`fmha_operands` does the same for the 8-bit FMHA (uint8 P against int8
 V through the column-sum identity).
@@ -308,8 +309,8 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   XLA's; equal on the CPU); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c =
   scale log2 e`` folded into ``q_m``) to float32 accumulation order.  fp8's
   per-head ("tensor") scales come from an XLA amax pass first.  None where
-  a granularity does not fit the kernel (sage's and INT8's "tensor",
-  groups that are not powers of two up to 128): the XLA quantizers then.
+  a granularity does not fit the kernel (sage's "tensor", groups that are
+  not powers of two up to 128): the XLA quantizers then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
   ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,

@@ -20,8 +20,9 @@ Operand types (static ``qk`` / ``pv``):
   ``q_scale > 0`` itself (row max of ``S_i32 k_scale`` times ``q_scale``,
   one FMA per score in the exponent).  Where K's scales are one per key
   block (per block or per tensor: ``k_block_scale``) the block's ``k_j``
-  joins the row factor ``q_scale k_j`` instead, and no per-key scale is
-  loaded or multiplied;
+  joins the row factor ``q_scale k_j`` instead (no per-key scale row; a
+  multiply per score only with the exact exponent, and with a bias the
+  product folds into the bias's FMA);
 * ``qk="fp8"``: float8_e4m3fn Q, K with the same per-row/per-key scales
   (FlashAttention-3's fp8 path);
 * ``pv="fp16"``: P in float16/bfloat16 from registers, V ``[S, D]``;
@@ -363,7 +364,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   blocks of each warpgroup's rows (:func:`common.block_ranges`); optional
   segment ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
-  with ``k_scale_per_block`` ``[B, K, S / block_k]``;
+  with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
   optional PASA block weights ``[B, K, nb]`` float32; optional V column
@@ -848,10 +849,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     scale: the softmax scale (``qk="fp16"``); q_scale ``[B, T, N]`` (times
       ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK,
       or instead of k_scale one K scale per key block, k_block_scale
-      ``[B, K, ceil(S / block_k)]`` (per-block and per-tensor K scales):
-      the row factor ``q_scale k_j`` then multiplies the block's scores
-      once, where per-key scales cost a multiply per score and a
-      shared-memory row per block.
+      ``[B, K, ceil(S / block_k)]`` (per-block and per-tensor K scales,
+      finite and >= 0 like every K scale here): the row factor ``q_scale
+      k_j`` then multiplies the block's scores once, where per-key scales
+      cost a multiply per score and a shared-memory row per block.
     q_block_bias: float32 ``[B, N, ceil(T / bias_rows), S]``, a base-2
       score bias shared by each block of ``bias_rows`` query rows (a multiple
       of ``block_q``), or None.
@@ -927,6 +928,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
     raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")
+  if not has_qk_scales and not (q_scale is k_scale is k_block_scale is None):
+    raise ValueError("qk='fp16' takes the softmax scale, not q/k scales")
   if has_qk_scales:
     args.append(pad(q_scale.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1))
     if k_scale is not None:

@@ -263,6 +263,7 @@ def test_huge_scores_take_the_exact_exponent():
 @pytest.mark.parametrize("qk,pv,exact", [("fp16", "fp16", False),
                                          ("fp16", "fp16", True),
                                          ("int8", "int8", False),
+                                         ("fp8", "fp8", False),
                                          ("fp8", "fp8", True)])
 def test_mosaic_log_sum_exp(qk, pv, exact):
   """The kernel's log-sum-exp (``return_lse``, the residual of the
@@ -273,7 +274,8 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
   probabilities: e4m3 P is off by ~1%, and round(127 p) drops every p below
   1/254, so int8 P's l of a spread-out row runs several % low (0.065 in the
   log measured here; a wrong unit, log 127 or log 448, would be 4.8 or
-  6.1)."""
+  6.1).  fp8 takes one K scale per key block (``k_block_scale``), int8
+  one per key."""
   from jaxattn import grad
   from pallas_kernels import mosaic
   b, t, s, n, d = 3, 150, 200, 2, 64
@@ -294,6 +296,10 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
                else (jnp.float8_e4m3fn, 448.0))
     q_scale = jnp.max(jnp.abs(q), axis=-1) / top
     k_scale = jnp.max(jnp.abs(k), axis=-1) / top
+    if qk == "fp8":   # one per block of 128 keys
+      blocks = jnp.pad(k_scale, [(0, 0), (0, 56), (0, 0)]).reshape(
+          b, 2, 128, 1).max(axis=2)                            # [B, 2, K]
+      k_scale = jnp.repeat(blocks, 128, axis=1)[:, :s]
     cast = lambda x, sc: (jnp.round(x / sc[..., None]) if qk == "int8"
                           else x / sc[..., None]).astype(dt)
     q8, k8 = cast(q, q_scale), cast(k, k_scale)
@@ -302,7 +308,8 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
     v = jnp.zeros((b, 1, d, s), jnp.int8 if pv == "int8" else dt)
     _, lse = mosaic.mosaic_attention(
         q8, k8, v, lens, qk=qk, pv=pv, q_scale=q_scale * (scale * np.log2(
-            np.e)), k_scale=k_scale, **kw)
+            np.e)), **kw, **(dict(k_block_scale=blocks.transpose(0, 2, 1))
+                             if qk == "fp8" else dict(k_scale=k_scale)))
     tol = 2e-2 if pv == "fp8" else 0.1
   want = grad.logsumexp(q, k, None, None, lens, scale=scale,
                         is_causal=True).transpose(0, 2, 1)
@@ -563,16 +570,18 @@ def test_mosaic_block_k_scales_equal_per_key_scales(method, opts):
   k_j`` in the exponent, or times the scores before SageAttention2's bias)
   gives the per-key kernel's output up to flips of the 8-bit P (the
   exponent's product rounds once instead of twice), and the same bits
-  with the exact exponent (the same products); a key block of zeros (k_j =
-  0) under a causal mask stays finite."""
+  with the exact exponent where no bias regroups the products; with GQA,
+  a key length inside the last block, and that block's visible keys all
+  zero (k_j = 0) under a causal mask, which stays finite."""
   from jaxattn.backends import mosaic as mosaic_backend
   from pallas_kernels import mosaic
   kq, kk, kv = jax.random.split(jax.random.key(7), 3)
-  b, t, s, n, d = 1, 256, 200, 2, 64
+  b, t, s, n, kh, d = 1, 256, 200, 4, 2, 64
   q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
-  k = (jax.random.normal(kk, (b, s, n, d), jnp.float16) + 0.5).at[:, 128:].set(0)
-  v = jax.random.normal(kv, (b, s, n, d), jnp.float16)
-  lens = jnp.full((b,), s, jnp.int32)
+  k = (jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 0.5).at[
+      :, 128:130].set(0)
+  v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
+  lens = jnp.full((b,), 130, jnp.int32)
   cfg = api.config_for(method, "mosaic", **opts)
   ops = mosaic_backend._prepare(method, q, k, v, lens, scale=d ** -0.5,
                                 config=cfg)
@@ -590,8 +599,10 @@ def test_mosaic_block_k_scales_equal_per_key_scales(method, opts):
   fused = np.asarray(run(False, **per_block), np.float32)
   assert np.isfinite(fused).all()
   assert _rel(fused, run(False, k_scale=ops.k_scale)) < TOL_8BIT_P
-  if ops.q_block_bias is None:   # (with the bias the products regroup)
-    np.testing.assert_array_equal(run(True, **per_block),
-                                  run(True, k_scale=ops.k_scale))
+  exact = run(True, **per_block)
+  if ops.q_block_bias is None:
+    np.testing.assert_array_equal(exact, run(True, k_scale=ops.k_scale))
+  else:        # (S q_scale k_j + bias: the products regroup)
+    assert _rel(exact, run(True, k_scale=ops.k_scale)) < TOL_8BIT_P
   with pytest.raises(ValueError, match="one of them"):
     run(False, k_scale=ops.k_scale, **per_block)
