@@ -356,7 +356,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, k_scale_per_block, has_qbias,
             bias_rows, has_vbs,
-            has_colsum, has_epilogue, p_in_smem, fused_pv, out_dtype,
+            has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
+            out_dtype,
             exact_exponent, return_lse, fresh_accumulators):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
@@ -369,7 +370,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   each ``bias_rows`` query rows); optional v_block_scale ``[B, K, nb]``;
   optional PASA block weights ``[B, K, nb]`` float32; optional V column
   sums ``[B, K, nb, D]`` int32 (``pv="uint8"``); optional out_scale,
-  out_shift ``[B, K, D]`` float32; out ``[B, T, N, D]``;
+  out_shift ``[B, K, D]`` float32; optional NaN rows ``[B, N, T]`` float32
+  (1: the row is NaN); out ``[B, T, N, D]``;
   with ``return_lse`` lse ``[B, N, T]`` float32.
   ``c_scale``: the factor from the scores to the exponent's base 2 where
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
@@ -383,6 +385,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
   shifted_ref = refs.pop(0) if has_shifted else None
   colsum_ref = refs.pop(0) if has_colsum else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
+  nan_rows_ref = refs.pop(0) if has_nan_rows else None
   out_ref, lse_ref = refs if return_lse else (*refs, None)
   bq, bk = block_q, block_k
   head_dim = q_ref.shape[-1]
@@ -748,6 +751,12 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
                + lax.broadcast_in_dim(osh, out.shape, [1]))
       out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
+      if has_nan_rows:   # the rows a NaN/Inf input reaches
+        nan_row = plgpu.load(
+            nan_rows_ref.at[batch, q_head, pl.ds(q_base, bq)],
+            layout=row_layout, optimized=False)
+        out = jnp.where(lax.broadcast_in_dim(nan_row > 0.0, out.shape, [0]),
+                        jnp.nan, out)
       o_smem[...] = out.astype(out_dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem,
@@ -838,7 +847,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      pasa_shifted=None, pasa_running=False,
                      f16_scores=False, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
-                     return_lse=False, index_mask=None):
+                     return_lse=False, index_mask=None, nan_rows=None):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -886,6 +895,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       (:class:`common.IndexMask`), or None.  Each warpgroup skips the key
       blocks none of its rows sees and masks only the blocks some row sees
       in part.
+    nan_rows: bool ``[B, T, N]`` or None: the output rows written as NaN
+      (those a NaN/Inf input reaches: :mod:`jaxattn.nonfinite`), in the
+      epilogue instead of a pass over the output afterwards.
   Returns: ``[B, T, N, D]`` in ``out_dtype``, and with ``return_lse`` the
   log-sum-exp.
 
@@ -963,6 +975,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   if has_epilogue:
     args += [pad(x.astype(jnp.float32), 2, d_tile)
              for x in (out_scale, out_shift)]
+  if nan_rows is not None:
+    args.append(pad(nan_rows.astype(jnp.float32), 1, t_pad).transpose(0, 2, 1))
   pasa = pasa_inva is not None
   if pasa_running and not (pasa and jnp.dtype(pasa_state_dtype)
                            == jnp.float32):
@@ -988,7 +1002,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       k_scale_per_block=has_qk_scales and k_block_scale is not None,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
-      has_epilogue=has_epilogue, p_in_smem=p_in_smem,
+      has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
+      p_in_smem=p_in_smem,
       fused_pv=(pv == "fp16" and not p_in_smem
                 and not (pasa and not pasa_running)),
       out_dtype=out_dtype, exact_exponent=exact_exponent,

@@ -114,12 +114,15 @@ def with_defaults(adapter: Adapter, config, options):
 
 
 def two_stage(prepare, kernel, check=_accepts, defaults=(),
-              kernel_lse: bool = False) -> Adapter:
+              kernel_lse: bool = False, kernel_nan_rows: bool = False
+              ) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
   dtype with NaN in the rows a non-finite input reaches.  ``kernel_lse``:
   ``kernel`` takes ``return_lse`` (its log-sum-exp ``[B, N, T]``), which
-  makes ``run_output_lse``."""
+  makes ``run_output_lse``.  ``kernel_nan_rows``: ``kernel`` takes
+  ``nan_rows`` (bool ``[B, T, N]``) and writes those rows as NaN itself,
+  which saves a pass over the output."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None, return_lse=False):
     segments = (None if index_mask is None or index_mask.q_segments is None
@@ -129,19 +132,23 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
     # per-segment V scales multiply the output rows after the kernel (in
     # float32 where the kernel writes it: one rounding, as the reference)
     row_scaled = ops.out_row_scale is not None
+    reached = nonfinite.rows_reached(
+        ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
+        is_causal=is_causal, q_shape=q.shape, index_mask=index_mask)
+    # (the row scaling is a pass over the output anyway: NaN joins it)
+    in_kernel = kernel_nan_rows and not row_scaled
     out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
                  config=config,
                  out_dtype=jnp.float32 if row_scaled else q.dtype,
                  index_mask=index_mask,
-                 **({"return_lse": True} if return_lse else {}))
+                 **({"return_lse": True} if return_lse else {}),
+                 **({"nan_rows": reached} if in_kernel else {}))
     out, lse = out if return_lse else (out, None)
     if row_scaled:
       out = (out.astype(jnp.float32)
              * ops.out_row_scale[..., None]).astype(q.dtype)
-    reached = nonfinite.rows_reached(
-        ops.q_nonfinite, ops.kv_nonfinite, mask, kv_lens,
-        is_causal=is_causal, q_shape=q.shape, index_mask=index_mask)
-    out = nonfinite.poison(out, reached)
+    if not in_kernel:
+      out = nonfinite.poison(out, reached)
     if not return_lse:
       return out
     if ops.k_shift is not None:   # the scores the smoothing took away

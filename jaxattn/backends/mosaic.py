@@ -159,13 +159,18 @@ def _pasa_keys(q, k, v, kv_lens, norms, config, *, scale, is_causal,
   f16 = jnp.float16
   ops = operands.pasa_operands(k, v.astype(f16), kv_lens, scale=scale,
                                config=config)
+  # the rows a NaN/Inf key or value reaches are NaN (the kernel writes
+  # them; Q's own NaN/Inf propagate through the products)
+  reached = nonfinite.rows_reached(
+      None, ops.bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
+      index_mask=index_mask)
   kernel = functools.partial(
       mosaic.mosaic_attention, q, ops.k, ops.v, kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=ops.inva,
       pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
       pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask,
-      pasa_running=config.running_softmax)
+      pasa_running=config.running_softmax, nan_rows=reached)
   # |S' scale / p| = |q . M^T k| scale, and a shifted key's norm is at
   # most (1 + beta) max|k|; with no block shifted this is fp16_fp32's
   # bound on the same call, so that the two take the same path
@@ -175,11 +180,8 @@ def _pasa_keys(q, k, v, kv_lens, norms, config, *, scale, is_causal,
   else:
     bound = bound * jnp.where(ops.shifted.any(), 1.0 + config.resolved_beta,
                               1.0)
-  out = (_exact_when_needed(kernel, bound) if config.running_softmax
-         else kernel())
-  return nonfinite.poison(out, nonfinite.rows_reached(
-      None, ops.bad_kv, None, kv_lens, is_causal=is_causal, q_shape=q.shape,
-      index_mask=index_mask))
+  return (_exact_when_needed(kernel, bound) if config.running_softmax
+          else kernel())
 
 
 def _prepare(method, q, k, v, kv_lens, *, scale, config, segments=None):
@@ -201,12 +203,13 @@ def _k_scales(ops: operands.QuantizedOperands, block_k: int) -> dict:
 
 def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
             *, is_causal, config, out_dtype, index_mask=None,
-            return_lse=False):
+            return_lse=False, nan_rows=None):
   """The kernel on :class:`jaxattn.operands.QuantizedOperands`.  The
   method's ``block_k`` is the kernel's: it is part of the numerics (the
   online softmax rounds P against each block's running max; scale
   groups).  ``return_lse``: also the log-sum-exp of the scores it formed
-  (``[B, N, T]``, without ``ops.k_shift``)."""
+  (``[B, N, T]``, without ``ops.k_shift``).  ``nan_rows``: the output rows
+  the kernel writes as NaN."""
   del bias, mask
   return _exact_when_needed(functools.partial(
       mosaic.mosaic_attention,
@@ -218,7 +221,7 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
       out_scale=ops.out_scale, out_shift=ops.out_shift,
       v_keys_ordered=ops.v_keys_ordered,
       out_dtype=_out_dtype(out_dtype), index_mask=index_mask,
-      return_lse=return_lse), ops.score_bound)
+      return_lse=return_lse, nan_rows=nan_rows), ops.score_bound)
 
 
 def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
@@ -255,10 +258,11 @@ ADAPTERS = {
     # and faster here at the same error (docs/design.md)
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage, defaults=(("block_k", 128),),
-                      kernel_lse=True),
+                      kernel_lse=True, kernel_nan_rows=True),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
-                      check=_check_common, kernel_lse=True),
+                      check=_check_common, kernel_lse=True,
+                      kernel_nan_rows=True),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
-                     check=_check_fp8, kernel_lse=True),
+                     check=_check_fp8, kernel_lse=True, kernel_nan_rows=True),
     "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True),
 }

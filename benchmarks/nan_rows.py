@@ -1,0 +1,98 @@
+"""A/B of where the Mosaic methods write NaN into the rows a NaN/Inf input
+reaches: in the kernel's epilogue (``nan_rows``) or by an XLA pass over the
+output afterwards (``jaxattn.nonfinite.poison``, the form before
+2026-11-26).  End to end on the H100, in one process against cuDNN
+bfloat16.
+
+  python benchmarks/nan_rows.py OUT.json [--causal] [--shape B,S,N,D]
+
+The "after" setting wraps the kernel so that it drops ``nan_rows`` and
+poisons its output in XLA.  Each call is compiled ahead of time, then timed
+in three rounds of alternating order; the two settings' outputs must be the
+same bits, on ordinary inputs and with a NaN in one query row and an Inf in
+one key.
+"""
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import api, nonfinite
+from jaxattn.tuning import time_call
+from pallas_kernels import mosaic
+
+METHODS = [("sage", {}), ("fp8", {}), ("int8", {}), ("pasa", {})]
+IN_KERNEL = mosaic.mosaic_attention
+
+
+def after_kernel(*args, nan_rows=None, **kwargs):
+  out = IN_KERNEL(*args, **kwargs)
+  if nan_rows is None:
+    return out
+  if isinstance(out, tuple):
+    return (nonfinite.poison(out[0], nan_rows), *out[1:])
+  return nonfinite.poison(out, nan_rows)
+
+
+def main(out_path, causal, shape):
+  b, s, h, d = shape
+  ks = jax.random.split(jax.random.key(0), 3)
+  q, k, v = (jax.random.normal(x, (b, s, h, d), jnp.float32).astype(
+      jnp.float16) for x in ks)
+  bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
+  cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal,
+      implementation="cudnn" if jax.default_backend() == "gpu" else "xla"))
+  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  calls, checks = {}, {}
+  for method, opts in METHODS:
+    outs = {}
+    for setting, fn in (("after", after_kernel), ("in_kernel", IN_KERNEL)):
+      mosaic.mosaic_attention = fn
+      jax.clear_caches()   # the API's jit keeps the last trace otherwise
+      call = jax.jit(lambda q, k, v, method=method, opts=opts:
+                     api.dot_product_attention(
+                         q, k, v, is_causal=causal, method=method,
+                         implementation="mosaic", **opts))
+      compiled = call.lower(q, k, v).compile()
+      calls[f"{method}/{setting}"] = compiled
+      outs[setting] = [np.asarray(compiled(*x), np.float32)
+                       for x in ((q, k, v), bad)]
+    mosaic.mosaic_attention = IN_KERNEL
+    checks[method] = dict(
+        same_bits=all(np.array_equal(a, c, equal_nan=True) for a, c in
+                      zip(outs["after"], outs["in_kernel"])),
+        nan_rows_with_bad_input=int(np.isnan(outs["in_kernel"][1]).any(
+            -1).sum()))
+    print(method, checks[method], flush=True)
+  rows = []
+  keys = list(calls)
+  for rnd in range(3):
+    t_ref = time_call(cudnn, bf)
+    for key in (keys if rnd % 2 == 0 else keys[::-1]):
+      t = time_call(calls[key], (q, k, v))
+      rows.append(dict(round=rnd, call=key, ms=t * 1e3,
+                       cudnn_bf16_ms=t_ref * 1e3, ratio=t_ref / t))
+      print(f"round {rnd} {key:20s} {t * 1e3:.3f} ms  x{t_ref / t:.3f}",
+            flush=True)
+  with open(out_path, "w") as f:
+    json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
+                             jax=jax.__version__, causal=causal,
+                             shape=f"BTNH {b}x{s}x{h}x{d}"),
+                   checks=checks, rows=rows), f, indent=1)
+  for key in keys:
+    m = [x["ms"] for x in rows if x["call"] == key]
+    r = [x["ratio"] for x in rows if x["call"] == key]
+    print(f"{key:20s} " + " ".join(f"{x:.3f}" for x in m) + " ms  x"
+          + " ".join(f"{x:.3f}" for x in r))
+
+
+if __name__ == "__main__":
+  ap = argparse.ArgumentParser()
+  ap.add_argument("out")
+  ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--shape", default="2,8192,32,128")
+  a = ap.parse_args()
+  main(a.out, a.causal, tuple(map(int, a.shape.split(","))))
