@@ -24,7 +24,7 @@ import numpy as np
 
 from jaxattn import api, bench
 from jaxattn.backends import mosaic as mosaic_backend
-from jaxattn.tuning import time_call
+from jaxattn.tuning import alternating_rounds
 
 VARIANTS = [  # (name, method, options, kernel alone)
     ("fp8", "fp8", {}, True),
@@ -83,30 +83,18 @@ def main(out_path, causal, shape):
     checks[name] = dict(
         bit_identical=bool(np.array_equal(a, c, equal_nan=True)),
         max_abs_diff=float(np.nanmax(np.abs(a - c))),
-        nan_per_key=int(np.isnan(a).sum()), nan_per_block=int(np.isnan(c).sum()))
+        nan_per_key=int(np.isnan(a).sum()),
+        nan_per_block=int(np.isnan(c).sum()))
     print(name, checks[name], checks[f"{name}/per_key"],
           checks[f"{name}/per_block"], flush=True)
-  rows = []
-  keys = list(calls)
-  for rnd in range(3):
-    t_ref = time_call(cudnn, bf)
-    for key in (keys if rnd % 2 == 0 else keys[::-1]):
-      fn, args = calls[key]
-      t = time_call(fn, args)
-      rows.append(dict(round=rnd, call=key, ms=t * 1e3,
-                       cudnn_bf16_ms=t_ref * 1e3, ratio=t_ref / t))
-      print(f"round {rnd} {key:28s} {t * 1e3:.3f} ms  x{t_ref / t:.3f} "
-            f"(cuDNN bf16 {t_ref * 1e3:.3f} ms)", flush=True)
-    with open(out_path, "w") as f:
-      json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
-                               jax=jax.__version__, causal=causal,
-                               shape=f"BTNH {b}x{s}x{h}x{d}"),
-                     checks=checks, rows=rows), f, indent=1)
-  for key in keys:
-    r = [x["ratio"] for x in rows if x["call"] == key]
-    m = [x["ms"] for x in rows if x["call"] == key]
-    print(f"{key:28s} " + " ".join(f"{x:.3f}" for x in m) + " ms  x"
-          + " ".join(f"{x:.3f}" for x in r))
+  rows = alternating_rounds(calls, reference=(cudnn, bf),
+                            log=lambda m: print(m, flush=True))
+  with open(out_path, "w") as f:
+    json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
+                             jax=jax.__version__, causal=causal,
+                             shape=f"BTNH {b}x{s}x{h}x{d}",
+                             reference="cuDNN bf16"),
+                   checks=checks, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, nonfinite
-from jaxattn.tuning import time_call
+from jaxattn.tuning import alternating_rounds
 from pallas_kernels import mosaic
 
 METHODS = [("sage", {}), ("fp8", {}), ("int8", {}), ("pasa", {})]
@@ -67,26 +67,15 @@ def main(out_path, causal, shape):
         nan_rows_with_bad_input=int(np.isnan(outs["in_kernel"][1]).any(
             -1).sum()))
     print(method, checks[method], flush=True)
-  rows = []
-  keys = list(calls)
-  for rnd in range(3):
-    t_ref = time_call(cudnn, bf)
-    for key in (keys if rnd % 2 == 0 else keys[::-1]):
-      t = time_call(calls[key], (q, k, v))
-      rows.append(dict(round=rnd, call=key, ms=t * 1e3,
-                       cudnn_bf16_ms=t_ref * 1e3, ratio=t_ref / t))
-      print(f"round {rnd} {key:20s} {t * 1e3:.3f} ms  x{t_ref / t:.3f}",
-            flush=True)
+  timed = {name: (c, (q, k, v)) for name, c in calls.items()}
+  rows = alternating_rounds(timed, reference=(cudnn, bf),
+                            log=lambda m: print(m, flush=True))
   with open(out_path, "w") as f:
     json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
                              jax=jax.__version__, causal=causal,
-                             shape=f"BTNH {b}x{s}x{h}x{d}"),
+                             shape=f"BTNH {b}x{s}x{h}x{d}",
+                             reference="cuDNN bf16"),
                    checks=checks, rows=rows), f, indent=1)
-  for key in keys:
-    m = [x["ms"] for x in rows if x["call"] == key]
-    r = [x["ratio"] for x in rows if x["call"] == key]
-    print(f"{key:20s} " + " ".join(f"{x:.3f}" for x in m) + " ms  x"
-          + " ".join(f"{x:.3f}" for x in r))
 
 
 if __name__ == "__main__":

@@ -42,6 +42,31 @@ def time_call(fn, args, iters=10, reps=5, warmup=2):
   return statistics.median(times)
 
 
+def alternating_rounds(calls, rounds=3, reference=None, log=print):
+  """Times ``calls`` (name -> (fn, args)) in ``rounds`` rounds, the order
+  reversed every other round (so that drift does not favour one setting),
+  with ``reference`` (fn, args; e.g. cuDNN bf16) timed at the start of each
+  round.  Returns rows ``{round, call, ms[, reference_ms, ratio]}`` and
+  logs one line per timing and a summary per call."""
+  rows, names = [], list(calls)
+  for rnd in range(rounds):
+    t_ref = time_call(*reference) if reference else None
+    for name in (names if rnd % 2 == 0 else names[::-1]):
+      t = time_call(*calls[name])
+      row = dict(round=rnd, call=name, ms=t * 1e3)
+      if t_ref:
+        row.update(reference_ms=t_ref * 1e3, ratio=t_ref / t)
+      rows.append(row)
+      log(f"round {rnd} {name:28s} {t * 1e3:.3f} ms"
+          + (f"  x{t_ref / t:.3f}" if t_ref else ""))
+  for name in names:
+    mine = [r for r in rows if r["call"] == name]
+    log(f"{name:28s} " + " ".join(f"{r['ms']:.3f}" for r in mine) + " ms"
+        + ("  x" + " ".join(f"{r['ratio']:.3f}" for r in mine)
+           if reference else ""))
+  return rows
+
+
 def autotune(method, q, k, v, *, is_causal=False, candidates=None,
              fixed=None, iters=10, reps=5):
   """Returns ``(best_options, [(options, seconds or error), ...])``.
