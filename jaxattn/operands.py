@@ -209,6 +209,12 @@ def int8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
   return out
 
 
+def _fp8_head_scale(x):
+  """fp8's per-head scale ``amax |x| * fl(1/448)`` of ``x`` ``[B, L, H,
+  D]`` (float32, the rows to count already masked): ``[B, H]``."""
+  return jnp.abs(x).max(axis=(1, 3)) * fp8.RCP_FP8_MAX
+
+
 def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
                qk_values: bool = True) -> dict:
   """:func:`jaxattn.fp8.fp8_quantize` on BTNH arrays (same entries;
@@ -220,7 +226,7 @@ def fp8_inputs(q, k, v, kv_lens, *, config, v_values: bool = True,
 
   def quantize(x, group, values=True):
     if not block:
-      sc = jnp.abs(x).max(axis=(1, 3)) * fp8.RCP_FP8_MAX   # [B, H]
+      sc = _fp8_head_scale(x)                              # [B, H]
       inv = quant.reciprocal(sc)[:, None, :, None]
     else:
       sc = _group_amax(x, group) * fp8.RCP_FP8_MAX         # [B, G, H]
@@ -333,11 +339,9 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
     if config.granularity == "tensor":
       # one scale per head from an XLA amax pass over the finite values
       # (keys below the length), then one quantizing pass each
-      def head_scale(x, valid):
-        x = jnp.where(valid, nonfinite.finite(x).astype(jnp.float32), 0.0)
-        return jnp.abs(x).max(axis=(1, 3)) * fp8.RCP_FP8_MAX      # [B, H]
-      sq = head_scale(q, True)
-      sk = head_scale(k, _valid_keys(k, kv_lens))
+      finite = lambda x: nonfinite.finite(x).astype(jnp.float32)
+      sq = _fp8_head_scale(finite(q))
+      sk = _fp8_head_scale(jnp.where(_valid_keys(k, kv_lens), finite(k), 0.0))
       q8, _, _, q_bad = rows_operand(q, q_lens, group=1, dtype=fp8_dtype,
                                      scale=sq)
       k8, _, _, k_bad = rows_operand(k, kv_lens, group=1, dtype=fp8_dtype,
