@@ -9,8 +9,6 @@ The whole of ``operands.quantized_operands("fp8")`` is jitted each way and
 timed in three rounds of alternating order; the operands must be equal
 bit for bit (float16 inputs with a NaN in one query row and one key).
 """
-import argparse
-import json
 import sys
 
 import jax
@@ -19,7 +17,8 @@ import numpy as np
 
 sys.path.insert(0, ".")
 from jaxattn import api, operands  # noqa: E402
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.tuning import (alternating_rounds, benchmark_args,  # noqa: E402
+                            random_btnh, write_record)
 
 FUSED = operands.fused_qk
 
@@ -29,13 +28,9 @@ def xla_only(method, *args, **kwargs):
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  args = ap.parse_args()
-  b, s, n, d = map(int, args.shape.split(","))
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(x, (b, s, n, d), jnp.float16) for x in keys)
+  args = benchmark_args()
+  b, s, n, d = args.shape
+  q, k, v = random_btnh(args.shape)
   lens = jnp.full((b,), s, jnp.int32)
   cfg = api.config_for("fp8", "mosaic" if jax.default_backend() == "gpu"
                        else "triton")
@@ -54,20 +49,10 @@ def main():
       equal_nan=True)) for f in ("q", "q_scale", "k", "k_scale", "v",
                                  "q_nonfinite", "kv_nonfinite")}
   print("bit-identical:", same, flush=True)
-  rows = []
-  names = list(calls)
-  for rnd in range(3):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      t = time_call(calls[name], (q, k, v, lens)) * 1e3
-      rows.append(dict(round=rnd, path=name, ms=t))
-      print(f"round {rnd} {name:8s} {t:.4f} ms", flush=True)
-  with open(args.out, "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   shape=args.shape, config=repr(cfg), same=same, rows=rows),
-              f, indent=1)
-  for name in names:
-    ms = [r["ms"] for r in rows if r["path"] == name]
-    print(f"{name:8s} {' '.join(f'{m:.4f}' for m in ms)} ms")
+  timed = {name: (c, (q, k, v, lens)) for name, c in calls.items()}
+  rows = alternating_rounds(timed, log=lambda m: print(m, flush=True))
+  write_record(args.out, shape=args.shape, config=repr(cfg), same=same,
+               rows=rows)
 
 
 if __name__ == "__main__":

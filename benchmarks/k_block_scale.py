@@ -15,8 +15,6 @@ exact exponent is the same arithmetic), and each setting's error against
 float32 attention is taken on the benchmark's realistic inputs
 (:func:`jaxattn.bench.accuracy_inputs`).
 """
-import argparse
-import json
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +22,8 @@ import numpy as np
 
 from jaxattn import api, bench
 from jaxattn.backends import mosaic as mosaic_backend
-from jaxattn.tuning import alternating_rounds
+from jaxattn.tuning import (alternating_rounds, benchmark_args,
+                            cudnn_reference, random_btnh, write_record)
 
 VARIANTS = [  # (name, method, options, kernel alone)
     ("fp8", "fp8", {}, True),
@@ -54,14 +53,9 @@ def build(method, opts, alone, causal, d):
 
 def main(out_path, causal, shape):
   b, s, h, d = shape
-  ks = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(x, (b, s, h, d), jnp.float32).astype(
-      jnp.float16) for x in ks)
+  q, k, v = random_btnh(shape)
   acc_in = bench.accuracy_inputs((b, h, s, d))
-  cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal,
-      implementation="cudnn" if jax.default_backend() == "gpu" else "xla"))
-  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  reference = cudnn_reference(q, k, v, causal)
   calls, checks = {}, {}
   for name, method, opts, alone in VARIANTS:
     outs = {}
@@ -87,20 +81,12 @@ def main(out_path, causal, shape):
         nan_per_block=int(np.isnan(c).sum()))
     print(name, checks[name], checks[f"{name}/per_key"],
           checks[f"{name}/per_block"], flush=True)
-  rows = alternating_rounds(calls, reference=(cudnn, bf),
+  rows = alternating_rounds(calls, reference=reference,
                             log=lambda m: print(m, flush=True))
-  with open(out_path, "w") as f:
-    json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
-                             jax=jax.__version__, causal=causal,
-                             shape=f"BTNH {b}x{s}x{h}x{d}",
-                             reference="cuDNN bf16"),
-                   checks=checks, rows=rows), f, indent=1)
+  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
+               reference="cuDNN bf16", checks=checks, rows=rows)
 
 
 if __name__ == "__main__":
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--causal", action="store_true")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  a = ap.parse_args()
-  main(a.out, a.causal, tuple(map(int, a.shape.split(","))))
+  a = benchmark_args(causal=True)
+  main(a.out, a.causal, a.shape)

@@ -12,15 +12,14 @@ in three rounds of alternating order; the two settings' outputs must be the
 same bits, on ordinary inputs and with a NaN in one query row and an Inf in
 one key.
 """
-import argparse
-import json
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, nonfinite
-from jaxattn.tuning import alternating_rounds
+from jaxattn.tuning import (alternating_rounds, benchmark_args,
+                            cudnn_reference, random_btnh, write_record)
 from pallas_kernels import mosaic
 
 METHODS = [("sage", {}), ("fp8", {}), ("int8", {}), ("pasa", {})]
@@ -38,14 +37,9 @@ def after_kernel(*args, nan_rows=None, **kwargs):
 
 def main(out_path, causal, shape):
   b, s, h, d = shape
-  ks = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(x, (b, s, h, d), jnp.float32).astype(
-      jnp.float16) for x in ks)
+  q, k, v = random_btnh(shape)
   bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
-  cudnn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
-      q, k, v, is_causal=causal,
-      implementation="cudnn" if jax.default_backend() == "gpu" else "xla"))
-  bf = [x.astype(jnp.bfloat16) for x in (q, k, v)]
+  reference = cudnn_reference(q, k, v, causal)
   calls, checks = {}, {}
   for method, opts in METHODS:
     outs = {}
@@ -68,20 +62,12 @@ def main(out_path, causal, shape):
             -1).sum()))
     print(method, checks[method], flush=True)
   timed = {name: (c, (q, k, v)) for name, c in calls.items()}
-  rows = alternating_rounds(timed, reference=(cudnn, bf),
+  rows = alternating_rounds(timed, reference=reference,
                             log=lambda m: print(m, flush=True))
-  with open(out_path, "w") as f:
-    json.dump(dict(meta=dict(device=jax.devices()[0].device_kind,
-                             jax=jax.__version__, causal=causal,
-                             shape=f"BTNH {b}x{s}x{h}x{d}",
-                             reference="cuDNN bf16"),
-                   checks=checks, rows=rows), f, indent=1)
+  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
+               reference="cuDNN bf16", checks=checks, rows=rows)
 
 
 if __name__ == "__main__":
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--causal", action="store_true")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  a = ap.parse_args()
-  main(a.out, a.causal, tuple(map(int, a.shape.split(","))))
+  a = benchmark_args(causal=True)
+  main(a.out, a.causal, a.shape)

@@ -8,27 +8,22 @@ bandwidth floor of a pass).
 
 Each setting is jitted alone and timed in two rounds of alternating order.
 """
-import argparse
 import functools
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.tuning import (alternating_rounds, benchmark_args,  # noqa: E402
+                            random_btnh, write_record)
 from pallas_kernels import quantizers  # noqa: E402
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  args = ap.parse_args()
-  b, s, n, d = map(int, args.shape.split(","))
-  keys = jax.random.split(jax.random.key(0), 2)
-  q, v = (jax.random.normal(x, (b, s, n, d), jnp.float16) for x in keys)
+  args = benchmark_args()
+  b, s, n, d = args.shape
+  q, v = random_btnh(args.shape, 2)
   lens = jnp.full((b,), s, jnp.int32)
   rows = functools.partial(quantizers.rows_operand, flag_nonfinite=True)
   head_scale = jnp.full((b, n), 0.01, jnp.float32)
@@ -62,18 +57,9 @@ def main():
       calls[name] = jax.jit(fn).lower().compile()
     except Exception as e:  # noqa: BLE001  (a knob the lowering refuses)
       print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-  rows_out = []
-  names = list(calls)
-  for rnd in range(2):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      t = time_call(calls[name], ()) * 1e3
-      rows_out.append(dict(round=rnd, part=name, ms=t))
-  with open(args.out, "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   shape=args.shape, rows=rows_out), f, indent=1)
-  for name in names:
-    ms = [r["ms"] for r in rows_out if r["part"] == name]
-    print(f"{name:28s} {' '.join(f'{m:.4f}' for m in ms)} ms")
+  rows = alternating_rounds({n: (c, ()) for n, c in calls.items()},
+                            rounds=2, log=lambda m: print(m, flush=True))
+  write_record(args.out, shape=args.shape, rows=rows)
 
 
 if __name__ == "__main__":

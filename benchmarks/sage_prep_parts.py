@@ -12,28 +12,22 @@ query-block means or taking each tile's own (``shift="tile_mean"``, what
 8-bit pass (:func:`pallas_kernels.quantizers.v_operand`), and a float16 ->
 int8 cast of one tensor (the bandwidth floor of a pass).
 """
-import argparse
-import json
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, ".")
 from jaxattn import api, nonfinite, operands, sage  # noqa: E402
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.tuning import (alternating_rounds, benchmark_args,  # noqa: E402
+                            random_btnh, write_record)
 from pallas_kernels import quantizers  # noqa: E402
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  args = ap.parse_args()
-  b, s, n, d = map(int, args.shape.split(","))
-  keys = jax.random.split(jax.random.key(0), 3)
-  q, k, v = (jax.random.normal(x, (b, s, n, d), jnp.float16) for x in keys)
+  args = benchmark_args()
+  b, s, n, d = args.shape
+  q, k, v = random_btnh(args.shape)
   lens = jnp.full((b,), s, jnp.int32)
   impl = "mosaic" if jax.default_backend() == "gpu" else "triton"
   cfg = api.config_for("sage", impl)
@@ -72,20 +66,9 @@ def main():
   calls = {}
   for name, fn in parts.items():
     calls[name] = jax.jit(fn).lower().compile()
-  rows = []
-  names = list(calls)
-  for rnd in range(2):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      t = time_call(calls[name], ()) * 1e3
-      rows.append(dict(round=rnd, part=name, ms=t))
-      print(f"round {rnd} {name:18s} {t:.4f} ms", flush=True)
-  with open(args.out, "w") as f:
-    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
-                   shape=args.shape, config=repr(cfg), rows=rows), f,
-              indent=1)
-  for name in names:
-    ms = [r["ms"] for r in rows if r["part"] == name]
-    print(f"{name:18s} {' '.join(f'{m:.4f}' for m in ms)} ms")
+  rows = alternating_rounds({n: (c, ()) for n, c in calls.items()},
+                            rounds=2, log=lambda m: print(m, flush=True))
+  write_record(args.out, shape=args.shape, config=repr(cfg), rows=rows)
 
 
 if __name__ == "__main__":

@@ -9,11 +9,14 @@ method, shapes and flags for the life of the process.
 """
 from __future__ import annotations
 
+import argparse
 import itertools
+import json
 import statistics
 import time
 
 import jax
+import jax.numpy as jnp
 
 from jaxattn import api
 
@@ -40,6 +43,43 @@ def time_call(fn, args, iters=10, reps=5, warmup=2):
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / iters)
   return statistics.median(times)
+
+
+def benchmark_args(causal: bool = False):
+  """The A/B scripts' command line: ``OUT.json [--causal] [--shape
+  B,S,N,D]`` (default the issue's 2,8192,32,128); ``.shape`` a tuple."""
+  ap = argparse.ArgumentParser()
+  ap.add_argument("out")
+  if causal:
+    ap.add_argument("--causal", action="store_true")
+  ap.add_argument("--shape", default="2,8192,32,128")
+  args = ap.parse_args()
+  args.shape = tuple(int(x) for x in args.shape.split(","))
+  return args
+
+
+def random_btnh(shape, n: int = 3, dtype=jnp.float16):
+  """``n`` standard normal ``[B, S, N, D]`` arrays (``shape``) in ``dtype``
+  from the fixed key 0, the A/B scripts' inputs."""
+  keys = jax.random.split(jax.random.key(0), n)
+  return tuple(jax.random.normal(x, shape, jnp.float32).astype(dtype)
+               for x in keys)
+
+
+def cudnn_reference(q, k, v, causal: bool):
+  """``(fn, args)``: cuDNN bfloat16 attention on ``q, k, v`` (XLA's off a
+  GPU), the reference the ratios divide."""
+  fn = jax.jit(lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=causal,
+      implementation="cudnn" if jax.default_backend() == "gpu" else "xla"))
+  return fn, tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+
+
+def write_record(path, **fields):
+  """``fields`` as JSON at ``path``, with the device and jax version."""
+  with open(path, "w") as f:
+    json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
+                   **fields), f, indent=1)
 
 
 def alternating_rounds(calls, rounds=3, reference=None, log=print):
