@@ -112,6 +112,11 @@ FUSED_EXPONENT_LIMIT = 2.0 ** 12
 # S (no faster that way) and PASA's per-block float16 P V (not measured).
 # ``benchmarks/fresh_accumulators.py`` times the choices.
 FRESH_ACCUMULATORS = ("qk", "pv")
+# Integer P (int8, and uint8 as P - 128) rounded by one float add in round-
+# down mode (:func:`_floor_to_8bit`) on the GPU, instead of a float -> int
+# conversion and, for int8's row sum, one back: both conversions issue on
+# the same quarter-rate unit as exp2.  ``benchmarks/p_rounding.py`` times it.
+ROUND_P_BY_ADD = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,6 +208,58 @@ def _fresh_accumulator(shape, dtype):
         _registers=regs, _layout=layout,
         _is_signed=True if jnp.dtype(dtype) == jnp.int32 else None)
   return zeros()
+
+
+def _floor_to_8bit(t, offset, *, by_add):
+  """``(floor(t), floor(t) - offset)`` as float32 and int8 arrays like ``t``
+  (float32, WGMMA layout, ``0 <= t < 2^22``; the int8 wraps modulo 256, so
+  ``offset=128`` gives uint8 P's s8 operand ``P - 128``).
+
+  ``by_add``: ``y = t + (1.5 * 2^23 - offset)`` rounded down (``add.rm``)
+  holds ``floor(t) - offset`` in its low mantissa bits exactly, because the
+  sum's ulp is 1; the int8 is y's low byte and the float ``y - (1.5 * 2^23
+  - offset)`` (exact).  Two full-rate float adds replace ``cvt.rzi.s32.f32`` and
+  ``cvt.rn.f32.s32``, which run on the 16/clk/SM unit that also takes exp2.
+  Otherwise (Mosaic GPU's interpreter, which runs no inline PTX) the plain
+  conversions, with the same values."""
+  if not by_add:
+    t_int = t.astype(jnp.int32)   # truncation = floor for t >= 0
+    return t_int.astype(jnp.float32), (t_int - offset).astype(jnp.int8)
+  from jax._src.lib.mlir import ir
+  from jax._src.lib.mlir.dialects import arith, llvm, vector
+
+  magic = 1.5 * 2.0 ** 23 - offset   # its low 8 bits are -offset mod 256
+  magic_bits = np.float32(magic).view(np.uint32)
+
+  @plgpu.inline_mgpu(
+      arg_types=(plgpu.Layout.WGMMA,),
+      return_type=(
+          plgpu.ShapeDtypeStruct(t.shape, jnp.float32, plgpu.Layout.WGMMA),
+          plgpu.ShapeDtypeStruct(t.shape, jnp.int8, plgpu.Layout.WGMMA)))
+  def floor(ctx, x):
+    del ctx
+    f32, i32, i8 = (ir.F32Type.get(), ir.IntegerType.get_signless(32),
+                    ir.IntegerType.get_signless(8))
+    back = arith.constant(f32, ir.FloatAttr.get(f32, magic))
+    vec_len = x.layout.vector_length
+    floats = np.empty(x.registers.shape, dtype=object)
+    ints = np.empty(x.registers.shape, dtype=object)
+    for idx, reg in np.ndenumerate(x.registers):
+      ys = [llvm.inline_asm(
+          f32, [vector.extract(reg, [], [i])],
+          f"add.rm.f32 $0, $1, 0f{magic_bits:08X};", "=f,f")
+            for i in range(vec_len)]
+      floats[idx] = vector.from_elements(
+          ir.VectorType.get((vec_len,), f32),
+          [arith.subf(y, back) for y in ys])
+      ints[idx] = vector.from_elements(
+          ir.VectorType.get((vec_len,), i8),
+          [arith.trunci(i8, arith.bitcast(i32, y)) for y in ys])
+    return (mgpu.FragmentedArray(_registers=floats, _layout=x.layout,
+                                 _is_signed=None),
+            mgpu.FragmentedArray(_registers=ints, _layout=x.layout,
+                                 _is_signed=True))
+  return floor(t)
 
 
 def _smem(shape, dtype):
@@ -299,7 +356,8 @@ def _pasa_update(state, rows, pv_blk, *, inva, exp_factor, weight):
           (keep(f_new, f), keep(jn, count)))
 
 
-def _block_anchored_p(s, c, m, l, *, masked, exact_exponent):
+def _block_anchored_p(s, c, m, l, *, masked, exact_exponent,
+                      round_p_by_add):
   """uint8 P of one block (the 8-bit FMHA): ``P = floor(255 exp2(S - m_t)
   + 1/2)`` against the block's own row max ``m_t``, returned as the s8
   operand ``P - 128``, with the state's new ``(m', l', e^{m - m'},
@@ -329,8 +387,8 @@ def _block_anchored_p(s, c, m, l, *, masked, exact_exponent):
   m_ref = finite(m_new)
   a_prev = jnp.exp2(to_base2(m - m_ref))
   a_cur = jnp.exp2(to_base2(m_t - m_ref))
-  p_int = (e * 255.0 + 0.5).astype(jnp.int32)   # floor: e >= 0
-  return (p_int - 128).astype(jnp.int8), (
+  _, p_op = _floor_to_8bit(e * 255.0 + 0.5, 128, by_add=round_p_by_add)
+  return p_op, (
       m_new, a_prev * l + a_cur * e.sum(axis=1), a_prev, a_cur)
 
 
@@ -358,7 +416,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             bias_rows, has_vbs,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
-            exact_exponent, return_lse, fresh_accumulators):
+            exact_exponent, return_lse, fresh_accumulators, round_p_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
@@ -545,7 +603,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           s = jnp.where(visible, s, -jnp.inf)
         if pv == "uint8":
           return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
-                                   exact_exponent=exact_exponent)
+                                   exact_exponent=exact_exponent,
+                                   round_p_by_add=round_p_by_add)
 
         def finite(m_new):
           """The max the exponents subtract: 0 for a row that has seen no
@@ -591,10 +650,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
-        elif pv == "int8":  # floor(127 p + 1/2): the conversion truncates
-          p_int = (p * 127.0 + 0.5).astype(jnp.int32)
-          p = p_int.astype(f32)
-          p_op = p_int.astype(jnp.int8)
+        elif pv == "int8":  # floor(127 p + 1/2)
+          p, p_op = _floor_to_8bit(p * 127.0 + 0.5, 0, by_add=round_p_by_add)
         else:
           p_op = p.astype(v_ref.dtype)
         return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
@@ -1010,7 +1067,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       return_lse=return_lse,
       fresh_accumulators=() if p_in_smem else tuple(
           x for x in FRESH_ACCUMULATORS
-          if (qk if x == "qk" else pv) != "fp16"))
+          if (qk if x == "qk" else pv) != "fp16"),
+      round_p_by_add=ROUND_P_BY_ADD and interp is None)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
