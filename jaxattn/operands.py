@@ -658,25 +658,64 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
       exp_scale=scale / factor, shifted=shift, bad_kv=bad_k | bad_v)
 
 
-def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int):
-  """The 8-bit FMHA's operands (:func:`jaxattn.fmha.fmha_quantize`): one
-  scale per tensor folded into ``q_scale`` (times ``scale * log2 e``), unit
-  ``k_scale``, V ``[B, K, D, S]`` int8 with the column sums of each
-  ``block_k``-key block for the uint8 P identity (``pv="uint8"``).
+def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
+                  v_key_order: bool = False):
+  """The 8-bit FMHA's operands: :func:`jaxattn.fmha.fmha_quantize`'s values
+  bit for bit, from an XLA amax pass over the finite values of each tensor
+  (keys below the length; none for a static amax) and one quantizing pass
+  each (:func:`quantizers.rows_operand` with the given scale, and
+  :func:`quantizers.v_operand`), which flag the rows that hold a NaN/Inf
+  and quantize them as 0.
+
+  One scale per tensor is folded into ``q_scale`` (times ``scale * log2
+  e``); ``k_scale`` is 1; V is ``[B, K, D, S]`` int8 (keys in the Mosaic
+  kernel's register-operand order with ``v_key_order``) with the column
+  sums of each ``block_k``-key block for the uint8 P identity
+  (``pv="uint8"``).
 
   Returns ``(QuantizedOperands, v_scale)``: the kernel's output times
   ``v_scale / 255`` is the float output before output quantization.
   """
-  qz = fmha.fmha_quantize(q, k, v, kv_lens, config=config)
-  b, t, n, _ = q.shape
-  s_factor = qz["q_scale"] * qz["k_scale"] * (scale * base.LOG2E)
-  s_pad = -(-k.shape[1] // block_k) * block_k
-  v8 = jnp.pad(qz["v"], [(0, 0), (0, s_pad - k.shape[1]), (0, 0), (0, 0)])
-  colsum = v8.astype(jnp.int32).reshape(b, s_pad // block_k, block_k,
-                                        *v8.shape[2:])
-  colsum = colsum.sum(axis=2).transpose(0, 2, 1, 3)         # [B, K, nb, Dv]
+  b, t, n, d = q.shape
+  s, nk = k.shape[1], k.shape[2]
+  f32 = jnp.float32
+  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  static = config.amax_dict
+  valid = _valid_keys(k, kv_lens)
+
+  def tensor_scale(name, x, keys):
+    if name in static:
+      amax = jnp.asarray(static[name], f32)
+    else:
+      x = nonfinite.finite(x).astype(f32)
+      amax = jnp.abs(jnp.where(valid, x, 0.0) if keys else x).max()
+    return amax * fmha.RCP_QMAX
+
+  sq, sk, sv = (tensor_scale(name, x, name != "q")
+                for name, x in (("q", q), ("k", k), ("v", v)))
+  per_head = lambda sc, h: jnp.broadcast_to(sc, (b, h))
+  q8, _, _, q_bad = quantizers.rows_operand(
+      q, jnp.full((b,), t, jnp.int32), group=1, dtype=jnp.int8,
+      scale=per_head(sq, n), flag_nonfinite=True)
+  k8, _, _, k_bad = quantizers.rows_operand(
+      k, kv_lens, group=1, dtype=jnp.int8, scale=per_head(sk, nk),
+      flag_nonfinite=True)
+  v8, v_bad = quantizers.v_operand(
+      v, kv_lens, dtype=jnp.int8, shift=jnp.zeros((b, nk, d), f32),
+      inv_channel=jnp.broadcast_to(quant.reciprocal(sv), (b, nk, d)),
+      inv_row=jnp.ones((b, nk, s), f32), key_order=v_key_order,
+      flag_nonfinite=True)
+  # a block's column sums do not depend on the order of its keys
+  s_pad = -(-s // block_k) * block_k
+  # (V's keys beyond S are zeros: the padding of the key order's chunks)
+  colsum = jnp.pad(v8, [(0, 0)] * 3 + [(0, s_pad - v8.shape[-1])])
+  colsum = colsum.astype(jnp.int32)
+  colsum = colsum.reshape(b, nk, d, s_pad // block_k, block_k).sum(axis=-1)
+  s_factor = sq * sk * (scale * base.LOG2E)
   ops = QuantizedOperands(
-      q=qz["q"], q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=qz["k"],
-      k_scale=jnp.ones(k.shape[:3], jnp.float32), v=kv_heads_last(qz["v"]),
-      v_colsum=colsum, qk="int8", pv="uint8", k_scale_keys=k.shape[1])
-  return ops, qz["v_scale"]
+      q=q8, q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=k8,
+      k_scale=jnp.ones((b, s, nk), f32), v=v8,
+      v_colsum=colsum.transpose(0, 1, 3, 2), qk="int8", pv="uint8",
+      k_scale_keys=s, v_keys_ordered=v_key_order, q_nonfinite=q_bad,
+      kv_nonfinite=k_bad | v_bad.transpose(0, 2, 1))
+  return ops, sv

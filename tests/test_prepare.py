@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxattn import fp8, int_flash, nonfinite, quant, sage
+from jaxattn import fmha, fp8, int_flash, nonfinite, quant, sage
 from jaxattn import methods
 from jaxattn import operands as prepare
 from pallas_kernels import quantizers
@@ -99,6 +99,40 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
   np.testing.assert_array_equal(
       np.asarray(p.v.astype(jnp.float32)),
       np.asarray(ref["v"].astype(jnp.float32)).transpose(0, 2, 3, 1))
+
+
+@pytest.mark.parametrize("amax", [None, {"k": 3.0, "v": 2.5}], ids=str)
+def test_fmha_operands_equal_reference(amax):
+  """The FMHA's Pallas passes give :func:`fmha.fmha_quantize`'s values bit
+  for bit (dynamic and static amax; V in the Mosaic key order with its
+  block column sums), with a NaN query row and an Inf key: those count as
+  0 in the amax and the values, and only their rows are flagged."""
+  q, k, v, lens = _inputs(13, s=250)
+  cfg = fmha.FmhaConfig(amax=amax)
+  bad_q, bad_k = q.at[1, 7, 2, 3].set(jnp.nan), k.at[0, 30, 1, 0].set(jnp.inf)
+  ops, v_scale = prepare.fmha_operands(bad_q, bad_k, v, lens, scale=0.1,
+                                       config=cfg, block_k=64,
+                                       v_key_order=True)
+  ref = fmha.fmha_quantize(q.at[1, 7, 2, 3].set(0), k.at[0, 30, 1, 0].set(0),
+                           v, lens, config=cfg)
+  same = lambda a, r: np.testing.assert_array_equal(np.asarray(a, np.float32),
+                                                    np.asarray(r, np.float32))
+  same(ops.q, ref["q"])
+  same(ops.k, ref["k"])
+  same(v_scale, ref["v_scale"])
+  same(ops.q_scale[0, 0, 0], ref["q_scale"] * ref["k_scale"]
+       * np.float32(0.1 * np.log2(np.e)))
+  v_ref = np.pad(np.asarray(ref["v"], np.int32).transpose(0, 2, 3, 1),
+                 [(0, 0)] * 3 + [(0, 6)])
+  same(ops.v, v_ref[..., quantizers.key_order(256)])
+  colsum = v_ref.reshape(2, 2, 64, 4, 64)
+  same(ops.v_colsum, colsum.sum(-1).transpose(0, 1, 3, 2))
+  want_q = np.zeros(q.shape[:3], bool)
+  want_q[1, 7, 2] = True
+  want_kv = np.zeros(k.shape[:3], bool)
+  want_kv[0, 30, 1] = True
+  np.testing.assert_array_equal(np.asarray(ops.q_nonfinite), want_q)
+  np.testing.assert_array_equal(np.asarray(ops.kv_nonfinite), want_kv)
 
 
 @pytest.mark.parametrize("method", ["sage", "int8", "fp8"])

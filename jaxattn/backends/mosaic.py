@@ -227,10 +227,13 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
 def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None):
   """The uint8-P kernel (float32 output times ``v_scale / 255`` in its
-  epilogue), then the method's output quantization."""
+  epilogue), then the method's output quantization, then NaN in the rows
+  a NaN/Inf input reaches (flagged by the quantizers; after the output's
+  amax, which counts the finite rows only)."""
   del bias, mask
-  ops, v_scale = operands.fmha_operands(q, k, v, kv_lens, scale=scale,
-                                        config=config, block_k=config.block_k)
+  ops, v_scale = operands.fmha_operands(
+      q, k, v, kv_lens, scale=scale, config=config, block_k=config.block_k,
+      v_key_order=mosaic.p_in_registers())
   b, nk, d = k.shape[0], k.shape[2], v.shape[-1]
   out_scale = jnp.broadcast_to(v_scale / 255.0, (b, nk, d))
   # |S_i32| <= 127^2 D, times the one factor of the scores
@@ -240,10 +243,14 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       pv="uint8", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k),
       q_scale=ops.q_scale, **_k_scales(ops, config.block_k),
-      v_colsum=ops.v_colsum,
+      v_colsum=ops.v_colsum, v_keys_ordered=ops.v_keys_ordered,
       out_scale=out_scale, out_shift=jnp.zeros_like(out_scale),
       out_dtype=jnp.float32, index_mask=index_mask), bound)
-  return fmha.method_output(o, config=config)
+  return nonfinite.poison(fmha.method_output(o, config=config),
+                          nonfinite.rows_reached(
+                              ops.q_nonfinite, ops.kv_nonfinite, None,
+                              kv_lens, is_causal=is_causal, q_shape=q.shape,
+                              index_mask=index_mask))
 
 
 ADAPTERS = {
@@ -264,5 +271,6 @@ ADAPTERS = {
                       kernel_nan_rows=True),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
                      check=_check_fp8, kernel_lse=True, kernel_nan_rows=True),
-    "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True),
+    "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True,
+                         confines_nonfinite=True),
 }

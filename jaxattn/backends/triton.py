@@ -141,12 +141,17 @@ def _kernel(ops: operands.QuantizedOperands, kv_lens, bias=None, mask=None,
 
 def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None):
-  """The uint8-P kernel, then the method's output quantization."""
+  """The uint8-P kernel, then the method's output quantization, then NaN
+  in the rows a NaN/Inf input reaches (flagged by the quantizers)."""
   ops, v_scale = operands.fmha_operands(q, k, v, kv_lens, scale=scale,
                                         config=config, block_k=config.block_k)
   o = _kernel(ops, kv_lens, bias, mask, is_causal=is_causal, config=config,
               out_dtype=jnp.float32, index_mask=index_mask)
-  return fmha.method_output(o * (v_scale / 255.0), config=config)
+  return nonfinite.poison(
+      fmha.method_output(o * (v_scale / 255.0), config=config),
+      nonfinite.rows_reached(ops.q_nonfinite, ops.kv_nonfinite, mask,
+                             kv_lens, is_causal=is_causal, q_shape=q.shape,
+                             index_mask=index_mask))
 
 
 ADAPTERS = {
@@ -158,5 +163,5 @@ ADAPTERS = {
                     index_mask=True),
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
-    "fmha_int8": Adapter(run=_fmha, index_mask=True),
+    "fmha_int8": Adapter(run=_fmha, index_mask=True, confines_nonfinite=True),
 }
