@@ -3,7 +3,8 @@ passes with a non-finite guard in front (``nonfinite.confined``: row flags
 and finite copies; the form before 2026-11-26), against an XLA amax pass
 and one Pallas quantizing pass per tensor that flags the non-finite rows
 itself (:func:`jaxattn.operands.fmha_operands`).  On the H100, in one
-process against cuDNN bfloat16; also the method end to end.
+process against cuDNN bfloat16; also the method end to end and its parts
+(the kernel alone, the output's quantization).
 
   python benchmarks/fmha_prep.py OUT.json [--shape B,S,N,D]
 
@@ -76,6 +77,31 @@ def main(out_path, shape):
   e2e = jax.jit(lambda q, k, v: api.dot_product_attention(
       q, k, v, method="fmha_int8", implementation="mosaic"))
   calls["fmha_int8/e2e"] = (e2e.lower(q, k, v).compile(), (q, k, v))
+  # the parts of the call: the kernel alone on its operands, and the
+  # output's quantization with the non-finite rows
+  ordered = mosaic.p_in_registers()   # (the interpreter: natural order)
+  ops, v_scale = operands.fmha_operands(q, k, v, lens, v_key_order=ordered,
+                                        **kw)
+  bk = cfg.block_k
+  kernel_args = (ops.q, ops.k, ops.v, ops.q_scale,
+                 ops.k_scale[:, ::bk].transpose(0, 2, 1), ops.v_colsum,
+                 jnp.broadcast_to(v_scale / 255.0, (b, h, d)))
+  kernel = jax.jit(lambda q8, k8, v8, qs, kbs, colsum, osc: (
+      mosaic.mosaic_attention(
+          q8, k8, v8, lens, qk="int8", pv="uint8", is_causal=False,
+          params=mosaic.MosaicParams(block_k=bk), q_scale=qs,
+          k_block_scale=kbs, v_colsum=colsum, v_keys_ordered=ordered,
+          out_scale=osc, out_shift=jnp.zeros_like(osc),
+          out_dtype=jnp.float32)))
+  calls["fmha_int8/kernel"] = (kernel.lower(*kernel_args).compile(),
+                               kernel_args)
+  o32 = kernel(*kernel_args)
+  output = jax.jit(lambda o, qb, kvb: nonfinite.poison(
+      fmha.method_output(o, config=cfg).astype(q.dtype),
+      nonfinite.rows_reached(qb, kvb, None, lens, is_causal=False,
+                             q_shape=q.shape)))
+  out_args = (o32, ops.q_nonfinite, ops.kv_nonfinite)
+  calls["fmha_int8/output"] = (output.lower(*out_args).compile(), out_args)
   rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, False),
                             log=lambda m: print(m, flush=True))
   write_record(out_path, shape=f"BTNH {b}x{s}x{h}x{d}",

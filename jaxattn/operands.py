@@ -676,10 +676,10 @@ def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
   Returns ``(QuantizedOperands, v_scale)``: the kernel's output times
   ``v_scale / 255`` is the float output before output quantization.
   """
-  b, t, n, d = q.shape
-  s, nk = k.shape[1], k.shape[2]
+  b, t, n = q.shape[:3]
+  s, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
   f32 = jnp.float32
-  kv_lens = jnp.asarray(kv_lens, jnp.int32)
+  kv_lens = base.kv_lengths(kv_lens, b, s)
   static = config.amax_dict
   valid = _valid_keys(k, kv_lens)
 
@@ -701,8 +701,8 @@ def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
       k, kv_lens, group=1, dtype=jnp.int8, scale=per_head(sk, nk),
       flag_nonfinite=True)
   v8, v_bad = quantizers.v_operand(
-      v, kv_lens, dtype=jnp.int8, shift=jnp.zeros((b, nk, d), f32),
-      inv_channel=jnp.broadcast_to(quant.reciprocal(sv), (b, nk, d)),
+      v, kv_lens, dtype=jnp.int8, shift=jnp.zeros((b, nk, dv), f32),
+      inv_channel=jnp.broadcast_to(quant.reciprocal(sv), (b, nk, dv)),
       inv_row=jnp.ones((b, nk, s), f32), key_order=v_key_order,
       flag_nonfinite=True)
   # a block's column sums do not depend on the order of its keys
@@ -710,7 +710,7 @@ def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
   # (V's keys beyond S are zeros: the padding of the key order's chunks)
   colsum = jnp.pad(v8, [(0, 0)] * 3 + [(0, s_pad - v8.shape[-1])])
   colsum = colsum.astype(jnp.int32)
-  colsum = colsum.reshape(b, nk, d, s_pad // block_k, block_k).sum(axis=-1)
+  colsum = colsum.reshape(b, nk, dv, s_pad // block_k, block_k).sum(axis=-1)
   s_factor = sq * sk * (scale * base.LOG2E)
   ops = QuantizedOperands(
       q=q8, q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=k8,

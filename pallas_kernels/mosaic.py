@@ -221,7 +221,9 @@ def _floor_to_8bit(t, offset, *, by_add):
   - offset)`` (exact).  Two full-rate float adds replace ``cvt.rzi.s32.f32`` and
   ``cvt.rn.f32.s32``, which run on the 16/clk/SM unit that also takes exp2.
   Otherwise (Mosaic GPU's interpreter, which runs no inline PTX) the plain
-  conversions, with the same values."""
+  conversions, with the same values for finite ``t`` in that range (a NaN
+  ``t`` gives int8 -1 here and 0 there; the kernel's P is never NaN: its
+  operands are finite and its masked rows' max is made finite)."""
   if not by_add:
     t_int = t.astype(jnp.int32)   # truncation = floor for t >= 0
     return t_int.astype(jnp.float32), (t_int - offset).astype(jnp.int8)

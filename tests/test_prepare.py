@@ -101,20 +101,24 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
       np.asarray(ref["v"].astype(jnp.float32)).transpose(0, 2, 3, 1))
 
 
-@pytest.mark.parametrize("amax", [None, {"k": 3.0, "v": 2.5}], ids=str)
-def test_fmha_operands_equal_reference(amax):
+@pytest.mark.parametrize("amax,key_order", [(None, True),
+                                             ({"k": 3.0, "v": 2.5}, False)],
+                         ids=str)
+def test_fmha_operands_equal_reference(amax, key_order):
   """The FMHA's Pallas passes give :func:`fmha.fmha_quantize`'s values bit
-  for bit (dynamic and static amax; V in the Mosaic key order with its
-  block column sums), with a NaN query row and an Inf key: those count as
-  0 in the amax and the values, and only their rows are flagged."""
+  for bit (dynamic and static amax; V in the Mosaic key order or not, with
+  its block column sums), with a NaN query row, an Inf key and a NaN value
+  (those count as 0 in the amax and the values, and only their rows are
+  flagged) and large keys and values past the length (not in the amax)."""
   q, k, v, lens = _inputs(13, s=250)
+  k, v = k.at[0, 245].set(50.0), v.at[0, 245].set(-50.0)   # beyond lens[0]
   cfg = fmha.FmhaConfig(amax=amax)
-  bad_q, bad_k = q.at[1, 7, 2, 3].set(jnp.nan), k.at[0, 30, 1, 0].set(jnp.inf)
-  ops, v_scale = prepare.fmha_operands(bad_q, bad_k, v, lens, scale=0.1,
-                                       config=cfg, block_k=64,
-                                       v_key_order=True)
+  bad = (q.at[1, 7, 2, 3].set(jnp.nan), k.at[0, 30, 1, 0].set(jnp.inf),
+         v.at[1, 100, 0, 5].set(jnp.nan))
+  ops, v_scale = prepare.fmha_operands(*bad, lens, scale=0.1, config=cfg,
+                                       block_k=64, v_key_order=key_order)
   ref = fmha.fmha_quantize(q.at[1, 7, 2, 3].set(0), k.at[0, 30, 1, 0].set(0),
-                           v, lens, config=cfg)
+                           v.at[1, 100, 0, 5].set(0), lens, config=cfg)
   same = lambda a, r: np.testing.assert_array_equal(np.asarray(a, np.float32),
                                                     np.asarray(r, np.float32))
   same(ops.q, ref["q"])
@@ -124,13 +128,14 @@ def test_fmha_operands_equal_reference(amax):
        * np.float32(0.1 * np.log2(np.e)))
   v_ref = np.pad(np.asarray(ref["v"], np.int32).transpose(0, 2, 3, 1),
                  [(0, 0)] * 3 + [(0, 6)])
-  same(ops.v, v_ref[..., quantizers.key_order(256)])
+  same(ops.v, v_ref[..., quantizers.key_order(256)] if key_order
+       else v_ref[..., :250])
   colsum = v_ref.reshape(2, 2, 64, 4, 64)
   same(ops.v_colsum, colsum.sum(-1).transpose(0, 1, 3, 2))
   want_q = np.zeros(q.shape[:3], bool)
   want_q[1, 7, 2] = True
   want_kv = np.zeros(k.shape[:3], bool)
-  want_kv[0, 30, 1] = True
+  want_kv[0, 30, 1] = want_kv[1, 100, 0] = True
   np.testing.assert_array_equal(np.asarray(ops.q_nonfinite), want_q)
   np.testing.assert_array_equal(np.asarray(ops.kv_nonfinite), want_kv)
 

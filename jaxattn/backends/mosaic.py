@@ -228,8 +228,8 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None):
   """The uint8-P kernel (float32 output times ``v_scale / 255`` in its
   epilogue), then the method's output quantization, then NaN in the rows
-  a NaN/Inf input reaches (flagged by the quantizers; after the output's
-  amax, which counts the finite rows only)."""
+  a NaN/Inf input reaches (flagged by the quantizers, which count NaN/Inf
+  as 0 as the reference does; the output's amax is over those values)."""
   del bias, mask
   ops, v_scale = operands.fmha_operands(
       q, k, v, kv_lens, scale=scale, config=config, block_k=config.block_k,
