@@ -117,6 +117,11 @@ FRESH_ACCUMULATORS = ("qk", "pv")
 # conversion and, for int8's row sum, one back: both conversions issue on
 # the same quarter-rate unit as exp2.  ``benchmarks/p_rounding.py`` times it.
 ROUND_P_BY_ADD = True
+# The int32 scores of 8-bit QK converted to float32 by an integer add and a
+# float subtract (:func:`_int_to_float_by_add`) instead of ``cvt.rn.f32.s32``
+# on that same unit.  Off: one more instruction per score, which measured
+# 1-4% slower end to end (``benchmarks/score_conversion.py``, docs/design.md).
+INT_SCORES_BY_ADD = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,6 +267,16 @@ def _floor_to_8bit(t, offset, *, by_add):
             mgpu.FragmentedArray(_registers=ints, _layout=x.layout,
                                  _is_signed=True))
   return floor(t)
+
+
+def _int_to_float_by_add(s):
+  """float32 ``s`` of int32 ``s`` with ``|s| < 2^22`` (every 8-bit QK
+  product with D <= 256), exactly: the bits of ``s + 1.5 * 2^23`` are those
+  of the integer plus the constant's, since the sum's ulp is 1."""
+  magic = np.float32(1.5 * 2.0 ** 23)
+  y = lax.bitcast_convert_type(s + jnp.int32(magic.view(np.int32)),
+                               jnp.float32)
+  return y - magic
 
 
 def _smem(shape, dtype):
@@ -418,7 +433,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             bias_rows, has_vbs,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
-            exact_exponent, return_lse, fresh_accumulators, round_p_by_add):
+            exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
   (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
@@ -530,6 +546,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         the exponent's factor and the visibility mask; frees K's slot.
         ``k_scale``: the block's one K scale (``k_scale_per_block``)."""
         slot = slot_of(j)
+        if int_scores_by_add and s.dtype == jnp.int32:
+          s = _int_to_float_by_add(s)
         # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
         if has_qk_scales and not k_scale_per_block:
           plgpu.barrier_wait(ks_bars.at[slot])
@@ -1070,7 +1088,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       fresh_accumulators=() if p_in_smem else tuple(
           x for x in FRESH_ACCUMULATORS
           if (qk if x == "qk" else pv) != "fp16"),
-      round_p_by_add=ROUND_P_BY_ADD and interp is None)
+      round_p_by_add=ROUND_P_BY_ADD and interp is None,
+      int_scores_by_add=INT_SCORES_BY_ADD)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
