@@ -13,16 +13,15 @@ same bits, on ordinary inputs and with a NaN in one query row and an Inf in
 one key.
 """
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxattn import api, nonfinite
-from jaxattn.tuning import (alternating_rounds, benchmark_args,
-                            cudnn_reference, random_btnh, write_record)
+from jaxattn import nonfinite
+from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
+                            benchmark_args, cudnn_reference, random_btnh,
+                            write_record)
 from pallas_kernels import mosaic
 
-METHODS = [("sage", {}), ("fp8", {}), ("int8", {}), ("pasa", {})]
+METHODS = [(m, m, {}) for m in ("sage", "fp8", "int8", "pasa")]
 IN_KERNEL = mosaic.mosaic_attention
 
 
@@ -39,30 +38,14 @@ def main(out_path, causal, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
   bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
-  reference = cudnn_reference(q, k, v, causal)
-  calls, checks = {}, {}
-  for method, opts in METHODS:
-    outs = {}
-    for setting, fn in (("after", after_kernel), ("in_kernel", IN_KERNEL)):
-      mosaic.mosaic_attention = fn
-      jax.clear_caches()   # the API's jit keeps the last trace otherwise
-      call = jax.jit(lambda q, k, v, method=method, opts=opts:
-                     api.dot_product_attention(
-                         q, k, v, is_causal=causal, method=method,
-                         implementation="mosaic", **opts))
-      compiled = call.lower(q, k, v).compile()
-      calls[f"{method}/{setting}"] = compiled
-      outs[setting] = [np.asarray(compiled(*x), np.float32)
-                       for x in ((q, k, v), bad)]
-    mosaic.mosaic_attention = IN_KERNEL
-    checks[method] = dict(
-        same_bits=all(np.array_equal(a, c, equal_nan=True) for a, c in
-                      zip(outs["after"], outs["in_kernel"])),
-        nan_rows_with_bad_input=int(np.isnan(outs["in_kernel"][1]).any(
-            -1).sum()))
-    print(method, checks[method], flush=True)
-  timed = {name: (c, (q, k, v)) for name, c in calls.items()}
-  rows = alternating_rounds(timed, reference=reference,
+  calls, checks = api_calls_per_setting(
+      mosaic, "mosaic_attention",
+      (("after", after_kernel), ("in_kernel", IN_KERNEL)), METHODS,
+      [(q, k, v), bad], causal=causal, log=lambda m: print(m, flush=True))
+  for name, _, _ in METHODS:
+    checks[name]["nan_rows_with_bad_input"] = int(
+        jnp.isnan(calls[f"{name}/in_kernel"][0](*bad)).any(-1).sum())
+  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
                             log=lambda m: print(m, flush=True))
   write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
                reference="cuDNN bf16", checks=checks, rows=rows)

@@ -14,60 +14,43 @@ and with a NaN in one query row and an Inf in one key.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxattn import api, data, fmha, operands
-from jaxattn.tuning import (alternating_rounds, benchmark_args,
-                            cudnn_reference, random_btnh, write_record)
+from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
+                            benchmark_args, cudnn_reference, random_btnh,
+                            write_record)
 from pallas_kernels import mosaic
 
-METHODS = [("int8", {}), ("fmha_int8", {}), ("int8_vblock",
-                                             {"v_granularity": "block"})]
+METHODS = [("int8", "int8", {}), ("fmha_int8", "fmha_int8", {}),
+           ("int8_vblock", "int8", {"v_granularity": "block"})]
 SETTINGS = (("cvt", False), ("add", True))
 
 
 def main(out_path, causal, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
-  realistic = data.channel_outlier(jax.random.key(1), (b, s, h, d))
   bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
-  reference = cudnn_reference(q, k, v, causal)
-  calls, checks = {}, {}
-  for name, opts in METHODS:
-    method = name.split("_vblock")[0]
-    outs = {}
-    for setting, by_add in SETTINGS:
-      mosaic.ROUND_P_BY_ADD = by_add
-      jax.clear_caches()   # the API's jit keeps the last trace otherwise
-      call = jax.jit(lambda q, k, v, method=method, opts=opts:
-                     api.dot_product_attention(
-                         q, k, v, is_causal=causal, method=method,
-                         implementation="mosaic", **opts))
-      compiled = call.lower(q, k, v).compile()
-      calls[f"{name}/{setting}"] = compiled
-      outs[setting] = [np.asarray(compiled(*x), np.float32)
-                       for x in ((q, k, v), realistic, bad)]
-    checks[name] = dict(
-        same_bits=[bool(np.array_equal(a, c, equal_nan=True)) for a, c in
-                   zip(outs["cvt"], outs["add"])],
-        max_abs_diff=[float(np.nanmax(np.abs(a - c))) for a, c in
-                      zip(outs["cvt"], outs["add"])],
-        nan_rows_with_bad_input=int(np.isnan(outs["add"][2]).any(-1).sum()))
-    print(name, checks[name], flush=True)
-  mosaic.ROUND_P_BY_ADD = SETTINGS[-1][1]
-  timed = {n: (c, (q, k, v)) for n, c in calls.items()}
+  inputs = [(q, k, v), data.channel_outlier(jax.random.key(1), shape), bad]
+  calls, checks = api_calls_per_setting(
+      mosaic, "ROUND_P_BY_ADD", SETTINGS, METHODS, inputs, causal=causal,
+      log=lambda m: print(m, flush=True))
+  for name, method, opts in METHODS:
+    call = calls[f"{name}/add"][0]
+    checks[name]["nan_rows_with_bad_input"] = int(
+        jnp.isnan(call(*bad)).any(-1).sum())
   # what the FMHA adds around its kernel: its operands, and the output's
   # int8 quantization (over a float32 O, as the kernel writes)
   cfg = api.config_for("fmha_int8", "mosaic")
-  timed["fmha_int8/operands"] = (jax.jit(
+  calls["fmha_int8/operands"] = (jax.jit(
       lambda q, k, v: operands.fmha_operands(
-          q, k, v, None, scale=d ** -0.5, config=cfg,
-          block_k=cfg.block_k)).lower(q, k, v).compile(), (q, k, v))
+          q, k, v, None, scale=d ** -0.5, config=cfg, block_k=cfg.block_k,
+          v_key_order=mosaic.p_in_registers())).lower(q, k, v).compile(),
+      (q, k, v))
   o32 = q.astype(jnp.float32)
-  timed["fmha_int8/output"] = (jax.jit(
+  calls["fmha_int8/output"] = (jax.jit(
       lambda o: fmha.method_output(o, config=cfg).astype(q.dtype)).lower(
           o32).compile(), (o32,))
-  rows = alternating_rounds(timed, reference=reference,
+  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
                             log=lambda m: print(m, flush=True))
   write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
                reference="cuDNN bf16", checks=checks, rows=rows)

@@ -14,48 +14,29 @@ and with a NaN in one query row and an Inf in one key.
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxattn import api, data
-from jaxattn.tuning import (alternating_rounds, benchmark_args,
-                            cudnn_reference, random_btnh, write_record)
+from jaxattn import data
+from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
+                            benchmark_args, cudnn_reference, random_btnh,
+                            write_record)
 from pallas_kernels import mosaic
 
-METHODS = [("sage", {}), ("int8", {}), ("int8_half", {"pv_dtype": "fp16"}),
-           ("fmha_int8", {})]
+METHODS = [("sage", "sage", {}), ("int8", "int8", {}),
+           ("int8_half", "int8", {"pv_dtype": "fp16"}),
+           ("fmha_int8", "fmha_int8", {})]
 SETTINGS = (("cvt", False), ("add", True))
 
 
 def main(out_path, causal, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
-  realistic = data.channel_outlier(jax.random.key(1), (b, s, h, d))
-  bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
-  reference = cudnn_reference(q, k, v, causal)
-  calls, checks = {}, {}
-  for name, opts in METHODS:
-    method = name.split("_half")[0]
-    outs = {}
-    for setting, by_add in SETTINGS:
-      mosaic.INT_SCORES_BY_ADD = by_add
-      jax.clear_caches()   # the API's jit keeps the last trace otherwise
-      call = jax.jit(lambda q, k, v, method=method, opts=opts:
-                     api.dot_product_attention(
-                         q, k, v, is_causal=causal, method=method,
-                         implementation="mosaic", **opts))
-      compiled = call.lower(q, k, v).compile()
-      calls[f"{name}/{setting}"] = compiled
-      outs[setting] = [np.asarray(compiled(*x), np.float32)
-                       for x in ((q, k, v), realistic, bad)]
-    checks[name] = dict(
-        same_bits=[bool(np.array_equal(a, c, equal_nan=True)) for a, c in
-                   zip(outs["cvt"], outs["add"])],
-        max_abs_diff=[float(np.nanmax(np.abs(a - c))) for a, c in
-                      zip(outs["cvt"], outs["add"])])
-    print(name, checks[name], flush=True)
-  mosaic.INT_SCORES_BY_ADD = SETTINGS[0][1]
-  timed = {n: (c, (q, k, v)) for n, c in calls.items()}
-  rows = alternating_rounds(timed, reference=reference,
+  inputs = [(q, k, v), data.channel_outlier(jax.random.key(1), shape),
+            (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
+  calls, checks = api_calls_per_setting(
+      mosaic, "INT_SCORES_BY_ADD", SETTINGS, METHODS, inputs, causal=causal,
+      log=lambda m: print(m, flush=True))
+  mosaic.INT_SCORES_BY_ADD = False   # the default
+  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
                             log=lambda m: print(m, flush=True))
   write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
                reference="cuDNN bf16", checks=checks, rows=rows)

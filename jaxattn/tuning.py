@@ -17,6 +17,7 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxattn import api
 
@@ -105,6 +106,42 @@ def alternating_rounds(calls, rounds=3, reference=None, log=print):
         + ("  x" + " ".join(f"{r['ratio']:.3f}" for r in mine)
            if reference else ""))
   return rows
+
+
+def api_calls_per_setting(module, attr, settings, methods, inputs, *,
+                          causal: bool, log=print):
+  """An A/B of one module attribute (a switch or a function): for each
+  ``(name, method, options)`` of ``methods`` and each ``(setting, value)``
+  of ``settings``, ``module.attr = value`` and the API call on the Mosaic
+  kernel compiled ahead of time (after ``jax.clear_caches()``: the API's
+  jit keeps the last trace otherwise).  The last setting's value is left
+  in place.
+
+  Returns ``(calls, checks)``: ``calls`` ``"name/setting" -> (compiled,
+  inputs[0])`` for :func:`alternating_rounds`; ``checks[name]`` whether
+  the first two settings' outputs are the same bits on each of
+  ``inputs`` (tuples ``(q, k, v)``), and their largest difference."""
+  calls, checks = {}, {}
+  for name, method, opts in methods:
+    outs = {}
+    for setting, value in settings:
+      setattr(module, attr, value)
+      jax.clear_caches()
+      call = jax.jit(lambda q, k, v, method=method, opts=opts:
+                     api.dot_product_attention(
+                         q, k, v, is_causal=causal, method=method,
+                         implementation="mosaic", **opts))
+      compiled = call.lower(*inputs[0]).compile()
+      calls[f"{name}/{setting}"] = (compiled, inputs[0])
+      outs[setting] = [np.asarray(compiled(*x), np.float32) for x in inputs]
+    first, second = (outs[s] for s, _ in settings[:2])
+    checks[name] = dict(
+        same_bits=[bool(np.array_equal(a, c, equal_nan=True))
+                   for a, c in zip(first, second)],
+        max_abs_diff=[float(np.nanmax(np.abs(a - c)))
+                      for a, c in zip(first, second)])
+    log(f"{name} {checks[name]}")
+  return calls, checks
 
 
 def autotune(method, q, k, v, *, is_causal=False, candidates=None,
