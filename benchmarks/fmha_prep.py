@@ -18,9 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, base, fmha, nonfinite, operands
-from jaxattn.tuning import (alternating_rounds, benchmark_args,
-                            cudnn_reference, random_btnh, write_record)
-from pallas_kernels import mosaic, quantizers
+from jaxattn.tuning import benchmark_args, random_btnh, record_against_cudnn
+from pallas_kernels import mosaic
 
 
 def xla_operands(q, k, v, kv_lens, *, scale, config, block_k):
@@ -102,10 +101,8 @@ def main(out_path, shape):
                              q_shape=q.shape)))
   out_args = (o32, ops.q_nonfinite, ops.kv_nonfinite)
   calls["fmha_int8/output"] = (output.lower(*out_args).compile(), out_args)
-  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, False),
-                            log=lambda m: print(m, flush=True))
-  write_record(out_path, shape=f"BTNH {b}x{s}x{h}x{d}",
-               reference="cuDNN bf16", checks=checks, rows=rows)
+  record_against_cudnn(out_path, calls, (q, k, v), causal=False,
+                       checks=checks)
 
 
 if __name__ == "__main__":

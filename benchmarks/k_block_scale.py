@@ -22,8 +22,7 @@ import numpy as np
 
 from jaxattn import api, bench
 from jaxattn.backends import mosaic as mosaic_backend
-from jaxattn.tuning import (alternating_rounds, benchmark_args,
-                            cudnn_reference, random_btnh, write_record)
+from jaxattn.tuning import benchmark_args, random_btnh, record_against_cudnn
 
 VARIANTS = [  # (name, method, options, kernel alone)
     ("fp8", "fp8", {}, True),
@@ -55,7 +54,6 @@ def main(out_path, causal, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
   acc_in = bench.accuracy_inputs((b, h, s, d))
-  reference = cudnn_reference(q, k, v, causal)
   calls, checks = {}, {}
   for name, method, opts, alone in VARIANTS:
     outs = {}
@@ -81,10 +79,8 @@ def main(out_path, causal, shape):
         nan_per_block=int(np.isnan(c).sum()))
     print(name, checks[name], checks[f"{name}/per_key"],
           checks[f"{name}/per_block"], flush=True)
-  rows = alternating_rounds(calls, reference=reference,
-                            log=lambda m: print(m, flush=True))
-  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
-               reference="cuDNN bf16", checks=checks, rows=rows)
+  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+                       checks=checks)
 
 
 if __name__ == "__main__":

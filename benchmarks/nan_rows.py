@@ -16,9 +16,8 @@ one key.
 import jax.numpy as jnp
 
 from jaxattn import nonfinite
-from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
-                            benchmark_args, cudnn_reference, random_btnh,
-                            write_record)
+from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+                            random_btnh, record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [(m, m, {}) for m in ("sage", "fp8", "int8", "pasa")]
@@ -35,7 +34,6 @@ def after_kernel(*args, nan_rows=None, **kwargs):
 
 
 def main(out_path, causal, shape):
-  b, s, h, d = shape
   q, k, v = random_btnh(shape)
   bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
   calls, checks = api_calls_per_setting(
@@ -45,10 +43,8 @@ def main(out_path, causal, shape):
   for name, _, _ in METHODS:
     checks[name]["nan_rows_with_bad_input"] = int(
         jnp.isnan(calls[f"{name}/in_kernel"][0](*bad)).any(-1).sum())
-  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
-                            log=lambda m: print(m, flush=True))
-  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
-               reference="cuDNN bf16", checks=checks, rows=rows)
+  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+                       checks=checks)
 
 
 if __name__ == "__main__":

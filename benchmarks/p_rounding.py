@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import api, data, fmha, operands
-from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
-                            benchmark_args, cudnn_reference, random_btnh,
-                            write_record)
+from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+                            random_btnh, record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [("int8", "int8", {}), ("fmha_int8", "fmha_int8", {}),
@@ -50,10 +49,8 @@ def main(out_path, causal, shape):
   calls["fmha_int8/output"] = (jax.jit(
       lambda o: fmha.method_output(o, config=cfg).astype(q.dtype)).lower(
           o32).compile(), (o32,))
-  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
-                            log=lambda m: print(m, flush=True))
-  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
-               reference="cuDNN bf16", checks=checks, rows=rows)
+  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+                       checks=checks)
 
 
 if __name__ == "__main__":

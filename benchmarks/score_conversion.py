@@ -16,9 +16,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import data
-from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
-                            benchmark_args, cudnn_reference, random_btnh,
-                            write_record)
+from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+                            random_btnh, record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [("sage", "sage", {}), ("int8", "int8", {}),
@@ -28,7 +27,6 @@ SETTINGS = (("cvt", False), ("add", True))
 
 
 def main(out_path, causal, shape):
-  b, s, h, d = shape
   q, k, v = random_btnh(shape)
   inputs = [(q, k, v), data.channel_outlier(jax.random.key(1), shape),
             (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
@@ -36,10 +34,8 @@ def main(out_path, causal, shape):
       mosaic, "INT_SCORES_BY_ADD", SETTINGS, METHODS, inputs, causal=causal,
       log=lambda m: print(m, flush=True))
   mosaic.INT_SCORES_BY_ADD = False   # the default
-  rows = alternating_rounds(calls, reference=cudnn_reference(q, k, v, causal),
-                            log=lambda m: print(m, flush=True))
-  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
-               reference="cuDNN bf16", checks=checks, rows=rows)
+  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+                       checks=checks)
 
 
 if __name__ == "__main__":

@@ -108,6 +108,19 @@ def alternating_rounds(calls, rounds=3, reference=None, log=print):
   return rows
 
 
+def record_against_cudnn(out_path, calls, qkv, *, causal: bool, **fields):
+  """The A/B scripts' ending: ``calls`` (:func:`alternating_rounds`) timed
+  in three alternating rounds against cuDNN bfloat16 on ``qkv`` (float16
+  BTNH ``(q, k, v)``), logged, and written to ``out_path`` with the shape,
+  ``causal`` and ``fields`` (e.g. ``checks``)."""
+  log = lambda m: print(m, flush=True)
+  rows = alternating_rounds(calls, reference=cudnn_reference(*qkv, causal),
+                            log=log)
+  b, s, h, d = qkv[0].shape
+  write_record(out_path, causal=causal, shape=f"BTNH {b}x{s}x{h}x{d}",
+               reference="cuDNN bf16", rows=rows, **fields)
+
+
 def api_calls_per_setting(module, attr, settings, methods, inputs, *,
                           causal: bool, log=print):
   """An A/B of one module attribute (a switch or a function): for each
