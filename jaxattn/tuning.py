@@ -46,13 +46,16 @@ def time_call(fn, args, iters=10, reps=5, warmup=2):
   return statistics.median(times)
 
 
-def benchmark_args(causal: bool = False):
-  """The A/B scripts' command line: ``OUT.json [--causal] [--shape
-  B,S,N,D]`` (default the issue's 2,8192,32,128); ``.shape`` a tuple."""
+def benchmark_args(causal: bool = False, parts=None):
+  """The A/B scripts' command line: ``OUT.json [--causal] [--part P]
+  [--shape B,S,N,D]`` (default the issue's 2,8192,32,128); ``.shape`` a
+  tuple; ``--part`` one of ``parts`` where given."""
   ap = argparse.ArgumentParser()
   ap.add_argument("out")
   if causal:
     ap.add_argument("--causal", action="store_true")
+  if parts:
+    ap.add_argument("--part", choices=parts, required=True)
   ap.add_argument("--shape", default="2,8192,32,128")
   args = ap.parse_args()
   args.shape = tuple(int(x) for x in args.shape.split(","))
@@ -123,7 +126,8 @@ def record_against_cudnn(out_path, calls, qkv, *, causal: bool, **fields):
 
 def api_calls_per_setting(module, attr, settings, methods, inputs, *,
                           causal: bool, log=print):
-  """An A/B of one module attribute (a switch or a function): for each
+  """An A/B of one module attribute (a switch or a function), or of several
+  (``attr`` a tuple of names, each ``value`` a tuple): for each
   ``(name, method, options)`` of ``methods`` and each ``(setting, value)``
   of ``settings``, ``module.attr = value`` and the API call on the Mosaic
   kernel compiled ahead of time (after ``jax.clear_caches()``: the API's
@@ -138,7 +142,9 @@ def api_calls_per_setting(module, attr, settings, methods, inputs, *,
   for name, method, opts in methods:
     outs = {}
     for setting, value in settings:
-      setattr(module, attr, value)
+      for a, x in (zip(attr, value) if isinstance(attr, tuple)
+                   else [(attr, value)]):
+        setattr(module, a, x)
       jax.clear_caches()
       call = jax.jit(lambda q, k, v, method=method, opts=opts:
                      api.dot_product_attention(
