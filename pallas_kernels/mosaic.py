@@ -122,6 +122,18 @@ ROUND_P_BY_ADD = True
 # on that same unit.  Off: one more instruction per score, which measured
 # 1-4% slower end to end (``benchmarks/score_conversion.py``, docs/design.md).
 INT_SCORES_BY_ADD = False
+# The per-key-block values read from global memory (the FMHA's V column
+# sums, a V scale per block, PASA's block weight, a masked step's key
+# segment ids) loaded at the start of the step, so that their latency
+# hides behind the QK wgmma, instead of where they are used, after a wgmma
+# wait.  ``benchmarks/tile_schedule.py`` times the choices.
+EARLY_BLOCK_LOADS = True
+# The CTAs launched longest first (:func:`tile_table`), and with the heads
+# as the grid's faster axis (the CTAs of one query tile for every head run
+# together; faster than one head's tiles together, which share K and V in
+# L2).  ``benchmarks/tile_schedule.py`` times the choices.
+HEAVIEST_FIRST = True
+GRID_HEADS_INNER = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -426,7 +438,7 @@ def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
   return jnp.where(empty, -jnp.inf, lse)
 
 
-def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
+def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa_inva,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, k_scale_per_block, has_qbias,
@@ -434,11 +446,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
+            early_block_loads,
             int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
-  PV) or ``[B, K, D, S]`` (8-bit PV); bounds ``[B, 4]`` int32
-  (:func:`common.row_bounds`); ranges ``[B, T / block_q, 4]`` int32, the key
-  blocks of each warpgroup's rows (:func:`common.block_ranges`); optional
+  PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[CTAs, 14]``, what
+  each CTA computes (:func:`tile_table`); optional
   segment ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
   with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
@@ -477,14 +489,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       o_smem2 = q_smem2
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
      qb_bars) = barriers
-    batch = lax.axis_index("batch")
+    tile = lax.axis_index("tile")
+    batch, q_seq, row_len, col_len, lower, upper = (tile_ref[tile, c]
+                                                    for c in range(6))
     q_head = lax.axis_index("heads")
     kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
-    row_len, col_len, lower, upper = (bounds_ref[batch, c] for c in range(4))
-    q_seq = lax.axis_index("q_seq")
     tile_base = q_seq * (2 * bq)
-    wg_ranges = [[range_ref[batch, 2 * q_seq + w, c] for c in range(4)]
+    wg_ranges = [[tile_ref[tile, 6 + 4 * w + c] for c in range(4)]
                  for w in range(2)]
     # The CTA streams the union of its warpgroups' key blocks (an empty
     # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
@@ -510,7 +522,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
       # [tile_lo, tile_lo), so that it only drains
       lo, full_lo, full_hi, hi = (
-          jnp.maximum(range_ref[batch, 2 * q_seq + wg, c], tile_lo)
+          jnp.maximum(tile_ref[tile, 6 + 4 * wg + c], tile_lo)
           for c in range(4))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
                               q_smem, q_bars.at[wg])
@@ -541,10 +553,31 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
       pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
       plgpu.barrier_wait(q_bars.at[wg])
 
-      def scores(s, j, masked, k_scale=None):
+      def block_loads(j, masked):
+        """Block j's values in global memory, as functions that give them:
+        loaded here with ``early_block_loads``, else where called."""
+        thunks = {}
+        if has_colsum:
+          thunks["colsum"] = lambda: plgpu.load(
+              colsum_ref.at[batch, kv_head, j], layout=col_layout,
+              optimized=False)
+        if has_vbs:
+          thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
+        if has_shifted:
+          thunks["weight"] = lambda: shifted_ref[batch, kv_head, j]
+        if masked and has_segments:
+          thunks["k_seg"] = lambda: plgpu.load(
+              kseg_ref.at[batch, pl.ds(j * bk, bk)], layout=col_layout,
+              optimized=False)
+        if early_block_loads:
+          return {name: (lambda x=f(): x) for name, f in thunks.items()}
+        return thunks
+
+      def scores(s, j, masked, loads, k_scale=None):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
         the exponent's factor and the visibility mask; frees K's slot.
-        ``k_scale``: the block's one K scale (``k_scale_per_block``)."""
+        ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
+        scale (``k_scale_per_block``)."""
         slot = slot_of(j)
         if int_scores_by_add and s.dtype == jnp.int32:
           s = _int_to_float_by_add(s)
@@ -595,8 +628,7 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           visible = common.visible(rows, cols,
                                    (row_len, col_len, lower, upper))
           if has_segments:
-            k_seg = plgpu.load(kseg_ref.at[batch, pl.ds(j * bk, bk)],
-                               layout=col_layout, optimized=False)
+            k_seg = loads["k_seg"]()
             visible = visible & (
                 lax.broadcast_in_dim(q_seg, (bq, bk), [0])
                 == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
@@ -689,12 +721,11 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
 
-      def add_block(state, pv_blk, j, alpha, block_rows):
+      def add_block(state, pv_blk, loads, alpha, block_rows):
         """The state ``(O, m, l, PASA's F)`` after block j's per-block
         ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
         if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
-          colsum = plgpu.load(colsum_ref.at[batch, kv_head, j],
-                              layout=col_layout, optimized=False)
+          colsum = loads["colsum"]()
           pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
                                                  [1])
           pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
@@ -702,22 +733,21 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
         else:
           pv_blk = pv_blk.astype(f32)
         if has_vbs:  # one V scale per key block
-          pv_blk = pv_blk * vbs_ref[batch, kv_head, j]
+          pv_blk = pv_blk * loads["v_scale"]()
         if pasa_per_block:
           return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
-                              exp_factor=c_scale, weight=pasa_weight(j))
+                              exp_factor=c_scale,
+                              weight=loads.get("weight", lambda: None)())
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
-
-      def pasa_weight(j):
-        return shifted_ref[batch, kv_head, j] if has_shifted else None
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
         slot = slot_of(j)
         # (issued before the QK wait, so that the load's latency hides)
         k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
+        loads = block_loads(j, masked)
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -733,14 +763,14 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
           s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         if pasa_running:   # Sbar': the float32 product's mean, before masks
           s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-        s, c, visible = scores(s, j, masked, k_block)
+        s, c, visible = scores(s, j, masked, loads, k_block)
         shift = None
         if pasa_running:   # PASA steps 3-4 move the online softmax's max
           seen = (None if visible is None else
                   jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
           f, count = pasa_state
           f, count, dmp_prev, dmp_cur = _pasa_corrections(
-              f, count, s_mean, inva=pasa_inva, weight=pasa_weight(j),
+              f, count, s_mean, inva=pasa_inva, weight=loads.get("weight", lambda: None)(),
               seen=seen)
           pasa_state = (f, count)
           # m is in the units of s with the exact exponent, else base 2
@@ -780,7 +810,8 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
             pv_blk = pl.run_scoped(pv_scope,
                                    plgpu.ACC((bq, head_dim), pv_type))
           acc, m_new, l_new, pasa_state = add_block(
-              (acc, m_new, l_new, pasa_state), pv_blk, j, alpha, block_rows)
+              (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
+              block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_new, l_new, pasa_state
 
@@ -914,6 +945,39 @@ def _kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, qk, pv,
                 collective_axes="wg")
 
 
+def tile_table(bounds, ranges, *, heaviest_first: bool):
+  """int32 ``[B * T_pad / (2 block_q), 14]``, one row per CTA: its batch
+  row, its query tile (``2 block_q`` rows), the row's four bounds
+  (:func:`common.row_bounds`) and its two warpgroups' key-block ranges
+  (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad / block_q, 4]``).
+
+  With ``heaviest_first`` the CTAs are ordered by the key blocks they
+  stream, most first (a stable sort): the hardware hands each next CTA to
+  the first SM that frees up, so the short tiles (causal's first rows,
+  short documents) fill the last wave (a longest-first list schedule)."""
+  b, n_row_blocks, _ = ranges.shape
+  tiles = n_row_blocks // 2
+  ranges = ranges.reshape(b, tiles, 8)
+  index = lambda axis: lax.broadcasted_iota(jnp.int32, (b, tiles, 1), axis)
+  table = jnp.concatenate(
+      [index(0), index(1),
+       jnp.broadcast_to(bounds[:, None, :], (b, tiles, 4)), ranges],
+      axis=-1).reshape(b * tiles, 14).astype(jnp.int32)
+  if heaviest_first:
+    blocks = ((ranges[..., 3] - ranges[..., 0])
+              + (ranges[..., 7] - ranges[..., 4])).reshape(b * tiles)
+    table = table[jnp.argsort(-blocks, stable=True)]
+  return table
+
+
+def _grid(heads: int, tiles: int) -> dict:
+  """The kernel's grid over (head, CTA row of :func:`tile_table`), the
+  faster-varying axis first (x: launched first; y is limited to 65535)."""
+  if GRID_HEADS_INNER and tiles <= 65535:
+    return dict(grid=(heads, tiles), grid_names=("heads", "tile"))
+  return dict(grid=(tiles, heads), grid_names=("tile", "heads"))
+
+
 def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      scale=None, q_scale=None, k_scale=None,
                      k_block_scale=None, q_block_bias=None,
@@ -1013,7 +1077,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bounds, ranges, segments = common.index_operands(
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-  args = [q, k, v, bounds, ranges, *segments]
+  args = [q, k, v, tile_table(bounds, ranges,
+                              heaviest_first=HEAVIEST_FIRST), *segments]
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
     raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")
@@ -1089,15 +1154,15 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
           x for x in FRESH_ACCUMULATORS
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
-      int_scores_by_add=INT_SCORES_BY_ADD)
+      int_scores_by_add=INT_SCORES_BY_ADD,
+      early_block_loads=EARLY_BLOCK_LOADS)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
-      grid=(n, t_pad // (2 * bq), b),
-      grid_names=("heads", "q_seq", "batch"),
+      **_grid(n, b * t_pad // (2 * bq)),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,

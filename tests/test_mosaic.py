@@ -471,6 +471,42 @@ def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
   assert err < tol, err
 
 
+def test_tile_table_lists_every_cta_once_longest_first():
+  """The kernel's CTAs (one per 128-row query tile and batch row) carry
+  their row's bounds and their warpgroups' key-block ranges; longest first,
+  each CTA appears once, the key blocks never grow down the list, and ties
+  keep the natural order (so uniform tiles keep it)."""
+  from pallas_kernels import common, mosaic
+  kv_lens = jnp.asarray([512, 300], jnp.int32)
+  bounds = common.row_bounds(kv_lens, common.IndexMask(), t=512,
+                             is_causal=True)
+  ranges = common.block_ranges(bounds, n_row_blocks=8, block_r=64,
+                               block_c=128, has_mask=False)
+  natural = np.asarray(mosaic.tile_table(bounds, ranges,
+                                         heaviest_first=False))
+  b_np, r_np = np.asarray(bounds), np.asarray(ranges)
+  assert natural.shape == (8, 14)
+  for row, (batch, tile) in zip(natural, np.ndindex(2, 4)):
+    assert (row[0], row[1]) == (batch, tile)
+    np.testing.assert_array_equal(row[2:6], b_np[batch])
+    np.testing.assert_array_equal(row[6:14],
+                                  r_np[batch, 2 * tile:2 * tile + 2].ravel())
+  first = np.asarray(mosaic.tile_table(bounds, ranges, heaviest_first=True))
+  blocks = lambda t: (t[:, 9] - t[:, 6]) + (t[:, 13] - t[:, 10])
+  assert sorted(map(tuple, first)) == sorted(map(tuple, natural))
+  assert np.all(np.diff(blocks(first)) <= 0)
+  assert blocks(first)[0] == 8 and tuple(first[0, :2]) == (0, 3)
+  ties = [tuple(r[:2]) for r in first if blocks(r[None])[0] == 2]
+  assert ties == sorted(ties)
+  full = common.row_bounds(jnp.asarray([512, 512], jnp.int32),
+                           common.IndexMask(), t=512, is_causal=False)
+  uniform = common.block_ranges(full, n_row_blocks=8, block_r=64,
+                                block_c=128, has_mask=False)
+  np.testing.assert_array_equal(
+      mosaic.tile_table(full, uniform, heaviest_first=True),
+      mosaic.tile_table(full, uniform, heaviest_first=False))
+
+
 def test_mosaic_output_lse_is_the_kernels_own():
   """``output_lse`` (what the ring's merge takes) is the quantized kernel's
   log-sum-exp, with the score shift of SageAttention's key smoothing added
