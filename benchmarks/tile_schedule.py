@@ -13,6 +13,11 @@ used (``pallas_kernels.mosaic.EARLY_BLOCK_LOADS``).
 first, with the heads or the query tiles as the grid's faster axis
 (``HEAVIEST_FIRST``, ``GRID_HEADS_INNER``).
 
+``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
+prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
+combination of the two switches that move it (``EARLY_BLOCK_LOADS``,
+``HEAVIEST_FIRST``).
+
 Packed rows (8 documents of random lengths per row, as
 ``benchmarks/index_mask.py``) run in the causal calls.  Each call is
 compiled ahead of time, then timed in three rounds of alternating order;
@@ -20,14 +25,18 @@ the first two settings' outputs must be the same bits, on ordinary inputs
 and with a NaN in one query row and an Inf in one key.
 """
 
+import functools
+import itertools
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxattn import api
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
                             random_btnh, record_against_cudnn)
-from pallas_kernels import mosaic
+from pallas_kernels import common, mosaic
 
 sys.path.insert(0, "benchmarks")
 from index_mask import packed_segments  # noqa: E402
@@ -52,7 +61,35 @@ def methods(part, causal, segs):
   return [(m, m, {}) for m in ("int8", "fp8")]
 
 
+def packed_kernels(out_path, shape):
+  q, k, v = random_btnh(shape)
+  segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
+  im = common.IndexMask(q_segments=segs, kv_segments=segs)
+  lens = jnp.full((shape[0],), shape[1], jnp.int32)
+  calls = {}
+  for method in ("sage", "fp8"):
+    adapter = api.BACKENDS["mosaic"].ADAPTERS[method]
+    cfg = api.config_for(method, "mosaic")
+    ops = jax.jit(functools.partial(
+        adapter.prepare, scale=shape[-1] ** -0.5, config=cfg,
+        segments=(segs, segs)))(q, k, v, lens)
+    for early, heaviest in itertools.product((False, True), repeat=2):
+      mosaic.EARLY_BLOCK_LOADS, mosaic.HEAVIEST_FIRST = early, heaviest
+      jax.clear_caches()
+      fn = jax.jit(lambda ops, lens, adapter=adapter, cfg=cfg:
+                   adapter.kernel(ops, lens, is_causal=True, config=cfg,
+                                  out_dtype=jnp.float16, index_mask=im))
+      setting = (f"{'early' if early else 'late'}_"
+                 f"{'heaviest' if heaviest else 'natural'}")
+      calls[f"{method}/{setting}"] = (fn.lower(ops, lens).compile(),
+                                      (ops, lens))
+  record_against_cudnn(out_path, calls, (q, k, v), causal=True,
+                       part="packed_kernels")
+
+
 def main(out_path, part, causal, shape):
+  if part == "packed_kernels":
+    return packed_kernels(out_path, shape)
   q, k, v = random_btnh(shape)
   inputs = [(q, k, v),
             (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
@@ -66,5 +103,5 @@ def main(out_path, part, causal, shape):
 
 
 if __name__ == "__main__":
-  a = benchmark_args(causal=True, parts=tuple(SWITCHES))
+  a = benchmark_args(causal=True, parts=(*SWITCHES, "packed_kernels"))
   main(a.out, a.part, a.causal, a.shape)
