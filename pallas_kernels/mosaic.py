@@ -68,8 +68,9 @@ segment ids for packed sequences), never a dense mask.  The CTA streams
 only the key blocks some row of its tile sees (:func:`common.block_ranges`
 per warpgroup); a warpgroup drains the blocks only its sibling needs,
 computes the blocks all its rows see whole without a mask, and masks the
-rest element by element.  Causal masking is top-left aligned unless an
-offset says otherwise.  Query heads of a group read their key/value
+rest element by element.  The CTAs launch longest first
+(:func:`tile_table`), so the short tiles fill the last wave.  Causal
+masking is top-left aligned unless an offset says otherwise.  Query heads of a group read their key/value
 head (GQA without repeats).  Lengths are padded outside the kernel to whole
 blocks.  Without a GPU the kernel runs in Mosaic GPU's interpreter
 (``InterpretGPUParams``), where P (8-bit or 16-bit) goes through shared
