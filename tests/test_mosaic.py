@@ -38,11 +38,25 @@ VARIANTS = [  # measured max rel RMSE on these cases: 1.6e-5 (fp32, f16 out)
 # SageAttention2's fp8 P can flip too.
 TOL = 1e-4
 TOL_8BIT_P = 5e-4
+# A P on an 8-bit rounding boundary can round one way in the kernel and the
+# other in the reference, which moves that one output row: seed 114345094
+# (fp8) moved one row by 2.8e-2, the others 1.4e-5 (one e4m3 step is up to
+# 1/8 of the P it rounds).  So 8-bit P allows one row up to this.
+TOL_FLIPPED_ROW = 5e-2
 
 
 def _rel(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def _rel_without_worst_row(a, b):
+  """(relative error of every output row but the worst, the worst row's
+  own relative error)."""
+  a, b = (np.asarray(x, np.float64).reshape(-1, x.shape[-1]) for x in (a, b))
+  rows = np.linalg.norm(a - b, axis=1) / np.linalg.norm(b, axis=1)
+  worst = int(np.argmax(rows))
+  return _rel(np.delete(a, worst, 0), np.delete(b, worst, 0)), rows[worst]
 
 
 @pytest.mark.parametrize("method,opts", VARIANTS, ids=str)
@@ -65,8 +79,11 @@ def test_mosaic_interpreted_matches_reference(method, opts):
   eight_bit_p = (method == "fp8" or (method == "int8"
                                      and opts.get("pv_dtype") != "fp16")
                  or (method == "sage" and opts.get("preset") != "sage1"))
-  tol = TOL_8BIT_P if eight_bit_p else TOL
-  assert _rel(out, ref) < tol, (seed, _rel(out, ref))
+  if eight_bit_p:
+    rest, worst = _rel_without_worst_row(out, ref)
+    assert rest < TOL_8BIT_P and worst < TOL_FLIPPED_ROW, (seed, rest, worst)
+  else:
+    assert _rel(out, ref) < TOL, (seed, _rel(out, ref))
 
 
 def test_mosaic_fmha_int8_matches_reference_and_triton():
@@ -496,8 +513,12 @@ def test_tile_table_lists_every_cta_once_longest_first():
   assert sorted(map(tuple, first)) == sorted(map(tuple, natural))
   assert np.all(np.diff(blocks(first)) <= 0)
   assert blocks(first)[0] == 8 and tuple(first[0, :2]) == (0, 3)
-  ties = [tuple(r[:2]) for r in first if blocks(r[None])[0] == 2]
-  assert ties == sorted(ties)
+  # the whole order: by blocks, most first, ties in the natural order
+  # (blocks 6: (0, 2), (1, 2), (1, 3); blocks 2: (0, 0), (1, 0))
+  np.testing.assert_array_equal(
+      first, natural[np.lexsort((np.arange(8), -blocks(natural)))])
+  assert [tuple(r[:2]) for r in first if blocks(r[None])[0] == 6] == [
+      (0, 2), (1, 2), (1, 3)]
   full = common.row_bounds(jnp.asarray([512, 512], jnp.int32),
                            common.IndexMask(), t=512, is_causal=False)
   uniform = common.block_ranges(full, n_row_blocks=8, block_r=64,
