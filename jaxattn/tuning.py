@@ -142,7 +142,7 @@ def api_calls_per_setting(module, attr, settings, methods, inputs, *,
   for name, method, opts in methods:
     outs = {}
     for setting, value in settings:
-      for a, x in (zip(attr, value) if isinstance(attr, tuple)
+      for a, x in (zip(attr, value, strict=True) if isinstance(attr, tuple)
                    else [(attr, value)]):
         setattr(module, a, x)
       jax.clear_caches()

@@ -59,8 +59,9 @@ rescaled.
 registers are reinterpreted as the 8-bit operand layout without moving data
 (:func:`_as_8bit_operand`), which reads each 16-key chunk in a fixed
 permutation; V's keys are stored in that order by the quantizer
-(:func:`pallas_kernels.quantizers.key_order`).  The epilogue computes ``O / l`` and, where given, ``* out_scale + out_shift`` per
-channel (V's scale and mean).
+(:func:`pallas_kernels.quantizers.key_order`).  The epilogue computes
+``O / l`` and, where given, ``* out_scale + out_shift`` per channel (V's
+scale and mean).
 
 Which keys a row sees comes from indices (:func:`common.row_bounds`: key
 lengths, causality, query lengths, an alignment offset, a local window;
@@ -70,9 +71,10 @@ per warpgroup); a warpgroup drains the blocks only its sibling needs,
 computes the blocks all its rows see whole without a mask, and masks the
 rest element by element.  The CTAs launch longest first
 (:func:`tile_table`), so the short tiles fill the last wave.  Causal
-masking is top-left aligned unless an offset says otherwise.  Query heads of a group read their key/value
-head (GQA without repeats).  Lengths are padded outside the kernel to whole
-blocks.  Without a GPU the kernel runs in Mosaic GPU's interpreter
+masking is top-left aligned unless an offset says otherwise.  Query heads
+of a group read their key/value head (GQA without repeats).  Lengths are
+padded outside the kernel to whole blocks.  Without a GPU the kernel runs
+in Mosaic GPU's interpreter
 (``InterpretGPUParams``), where P (8-bit or 16-bit) goes through shared
 memory and the 16-bit PV product into a separate accumulator (the
 interpreter implements wgmma with shared-memory operands only).
@@ -129,11 +131,14 @@ INT_SCORES_BY_ADD = False
 # hides behind the QK wgmma, instead of where they are used, after a wgmma
 # wait.  ``benchmarks/tile_schedule.py`` times the choices.
 EARLY_BLOCK_LOADS = True
-# The CTAs launched longest first (:func:`tile_table`), and with the heads
-# as the grid's faster axis (the CTAs of one query tile for every head run
-# together; faster than one head's tiles together, which share K and V in
-# L2).  ``benchmarks/tile_schedule.py`` times the choices.
+# The CTAs launched longest first (:func:`tile_table`), so that the short
+# tiles fill the last wave.  ``benchmarks/tile_schedule.py`` times it.
 HEAVIEST_FIRST = True
+# The heads as the grid's faster axis: the CTAs of one query tile run
+# together for every head.  Measured faster on the H100 than one head's
+# tiles together, although those share K and V in L2
+# (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
+# faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
 
 
@@ -450,8 +455,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             early_block_loads,
             int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
-  PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[CTAs, 14]``, what
-  each CTA computes (:func:`tile_table`); optional
+  PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
+  (2 block_q), 14]``, one row per query tile, read by every head's CTA
+  (:func:`tile_table`); optional
   segment ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
   with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
@@ -564,13 +570,13 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
               optimized=False)
         if has_vbs:
           thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
-        if has_shifted:
-          thunks["weight"] = lambda: shifted_ref[batch, kv_head, j]
+        thunks["weight"] = ((lambda: shifted_ref[batch, kv_head, j])
+                            if has_shifted else (lambda: None))
         if masked and has_segments:
           thunks["k_seg"] = lambda: plgpu.load(
               kseg_ref.at[batch, pl.ds(j * bk, bk)], layout=col_layout,
               optimized=False)
-        if early_block_loads:
+        if early_block_loads:   # (the default x=f() loads here)
           return {name: (lambda x=f(): x) for name, f in thunks.items()}
         return thunks
 
@@ -723,7 +729,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         return p_op, v_op
 
       def add_block(state, pv_blk, loads, alpha, block_rows):
-        """The state ``(O, m, l, PASA's F)`` after block j's per-block
+        """The state ``(O, m, l, PASA's F)`` after the block's per-block
         ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
         if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
           colsum = loads["colsum"]()
@@ -738,7 +744,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         if pasa_per_block:
           return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
                               exp_factor=c_scale,
-                              weight=loads.get("weight", lambda: None)())
+                              weight=loads["weight"]())
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
@@ -771,7 +777,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                   jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
           f, count = pasa_state
           f, count, dmp_prev, dmp_cur = _pasa_corrections(
-              f, count, s_mean, inva=pasa_inva, weight=loads.get("weight", lambda: None)(),
+              f, count, s_mean, inva=pasa_inva, weight=loads["weight"](),
               seen=seen)
           pasa_state = (f, count)
           # m is in the units of s with the exact exponent, else base 2
@@ -952,10 +958,11 @@ def tile_table(bounds, ranges, *, heaviest_first: bool):
   (:func:`common.row_bounds`) and its two warpgroups' key-block ranges
   (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad / block_q, 4]``).
 
-  With ``heaviest_first`` the CTAs are ordered by the key blocks they
-  stream, most first (a stable sort): the hardware hands each next CTA to
-  the first SM that frees up, so the short tiles (causal's first rows,
-  short documents) fill the last wave (a longest-first list schedule)."""
+  With ``heaviest_first`` the rows are ordered by the key blocks their two
+  warpgroups compute, most first (a stable sort): the hardware hands each
+  next CTA to the first SM that frees up, so the short tiles (causal's
+  first rows, short documents) fill the last wave (a longest-first list
+  schedule)."""
   b, n_row_blocks, _ = ranges.shape
   tiles = n_row_blocks // 2
   ranges = ranges.reshape(b, tiles, 8)
