@@ -953,10 +953,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
 
 
 def tile_table(bounds, ranges, *, heaviest_first: bool):
-  """int32 ``[B * T_pad / (2 block_q), 14]``, one row per CTA: its batch
-  row, its query tile (``2 block_q`` rows), the row's four bounds
-  (:func:`common.row_bounds`) and its two warpgroups' key-block ranges
-  (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad / block_q, 4]``).
+  """int32 ``[B * T_pad / (2 block_q), 14]``, one row per query tile (read
+  by every head's CTA): its batch row, its tile (``2 block_q`` rows), the
+  row's four bounds (:func:`common.row_bounds`) and its two warpgroups'
+  key-block ranges (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad /
+  block_q, 4]``).
 
   With ``heaviest_first`` the rows are ordered by the key blocks their two
   warpgroups compute, most first (a stable sort): the hardware hands each
@@ -979,7 +980,7 @@ def tile_table(bounds, ranges, *, heaviest_first: bool):
 
 
 def _grid(heads: int, tiles: int) -> dict:
-  """The kernel's grid over (head, CTA row of :func:`tile_table`), the
+  """The kernel's grid over (head, row of :func:`tile_table`), the
   faster-varying axis first (x: launched first; y is limited to 65535)."""
   if GRID_HEADS_INNER and tiles <= 65535:
     return dict(grid=(heads, tiles), grid_names=("heads", "tile"))
