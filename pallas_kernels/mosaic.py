@@ -84,7 +84,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import typing
 
 import jax
 import jax.numpy as jnp
@@ -141,14 +140,6 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
-# One CTA per SM (:func:`num_sms`) running a share of the tiles in turn
-# (a snake over the table's rows and heads), the next tile's Q loading
-# into a second buffer while the CTA computes the last, instead of one CTA
-# per tile.  ``benchmarks/persistent.py`` times it.
-PERSISTENT = False
-# The interpreter's stand-in for the SM count: small, so that the tests run
-# several tiles per CTA.
-INTERPRET_SMS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,26 +153,6 @@ class MosaicParams:
 def interpret():
   """Mosaic GPU's interpreter when jax has no GPU (how CI runs the kernel)."""
   return plgpu.InterpretGPUParams() if common.interpret() else None
-
-
-def num_sms():
-  """The default device's SMs (:data:`INTERPRET_SMS` in the interpreter)."""
-  return INTERPRET_SMS if interpret() else jax.devices()[0].core_count
-
-
-class _Tile(typing.NamedTuple):
-  """One CTA's tile: its :func:`tile_table` row, batch row, query head and
-  key/value head, first query row, the row bounds (:func:`common.row_bounds`)
-  and the key blocks ``[lo, hi)`` it streams (the union of its warpgroups'
-  ranges)."""
-  row: jax.Array
-  batch: jax.Array
-  q_head: jax.Array
-  kv_head: jax.Array
-  base: jax.Array
-  bounds: tuple
-  lo: jax.Array
-  hi: jax.Array
 
 
 def permute_keys(v, axis):
@@ -482,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
             early_block_loads,
-            int_scores_by_add, persistent, num_ctas):
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 14]``, one row per query tile, read by every head's CTA
@@ -499,10 +470,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   with ``return_lse`` lse ``[B, N, T]`` float32.
   ``c_scale``: the factor from the scores to the exponent's base 2 where
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
-  this is ``fl16(beta / (1 - beta))``; None otherwise.  ``persistent``:
-  ``num_ctas`` CTAs (the grid) each run their share of the ``heads x
-  table rows`` tiles, the ring turning on across a CTA's tiles and Q in
-  two alternating buffers; else one CTA per tile."""
+  this is ``fl16(beta / (1 - beta))``; None otherwise."""
   refs = list(refs)
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None,) * 2)
@@ -522,59 +490,31 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   pasa_per_block = pasa and not pasa_running   # Algorithm 1's softmax
 
   def body(scratch, barriers):
-    (q_smem3, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem,
+    (q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem,
      lse_smem2) = scratch
-    o_over_q = o_smem2 is None  # O written over Q (read by no wgmma by then)
+    if o_smem2 is None:  # O is written over Q (read by no wgmma by then)
+      o_smem2 = q_smem2
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
      qb_bars) = barriers
+    tile = lax.axis_index("tile")
+    batch, q_seq, row_len, col_len, lower, upper = (tile_ref[tile, c]
+                                                    for c in range(6))
+    q_head = lax.axis_index("heads")
+    kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
-    num_heads = q_ref.shape[2]
-    if persistent:
-      cta = lax.axis_index("cta")
-      tiles_here = snake_count(cta, num_heads * tile_ref.shape[0], num_ctas)
+    tile_base = q_seq * (2 * bq)
+    wg_ranges = [[tile_ref[tile, 6 + 4 * w + c] for c in range(4)]
+                 for w in range(2)]
+    # The CTA streams the union of its warpgroups' key blocks (an empty
+    # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
+    (lo0, *_, hi0), (lo1, *_, hi1) = wg_ranges
+    tile_hi = jnp.maximum(hi0, hi1)
+    tile_lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, tile_hi),
+                          jnp.where(hi1 > lo1, lo1, tile_hi))
+    tile_steps = tile_hi - tile_lo
 
-    def tile_of(i):
-      """The CTA's i-th tile (:class:`_Tile`)."""
-      if persistent:   # heads fastest over the table's rows
-        item = snake_item(i, cta, num_ctas)
-        row, q_head = lax.div(item, num_heads), lax.rem(item, num_heads)
-      else:
-        row, q_head = lax.axis_index("tile"), lax.axis_index("heads")
-      batch, q_seq, *bounds = (tile_ref[row, c] for c in range(6))
-      (lo0, *_, hi0), (lo1, *_, hi1) = (
-          [tile_ref[row, 6 + 4 * w + c] for c in range(4)] for w in range(2))
-      # The CTA streams the union of its warpgroups' key blocks (an empty
-      # range is (0, 0, 0, 0): it must not pull lo down to 0).
-      hi = jnp.maximum(hi0, hi1)
-      lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, hi),
-                       jnp.where(hi1 > lo1, lo1, hi))
-      return _Tile(row, batch, q_head, lax.div(q_head, jnp.int32(group)),
-                   q_seq * (2 * bq), tuple(bounds), lo, hi)
-
-    def q_buffer(i):
-      """This warpgroup's Q tile for the CTA's tile i and its barrier: two
-      buffers alternate in a persistent CTA.  (No literal index: a
-      constant closed over by a wgmma's ``run_state`` fails Mosaic GPU's
-      lowering.)"""
-      if not persistent:
-        return q_smem3.at[wg], q_bars.at[wg]
-      buf = lax.rem(i, 2)
-      return q_smem3.at[buf, wg], q_bars.at[2 * buf + wg]
-
-    def load_q(i):  # this warpgroup's rows of tile i (a consumer issues it)
-      t = tile_of(i)
-      plgpu.copy_gmem_to_smem(
-          q_ref.at[t.batch, pl.ds(t.base + wg * bq, bq), t.q_head],
-          *q_buffer(i))
-
-    def for_each_tile(run_tile):
-      """Runs ``run_tile(i, steps_before)`` (which returns ``steps_before``
-      plus the tile's steps) over the CTA's tiles; returns the steps.  (One
-      tile gets Python zeros: a concrete array closed over by a wgmma's
-      ``run_state`` fails Mosaic GPU's lowering.)"""
-      if persistent:
-        return lax.fori_loop(0, tiles_here, run_tile, jnp.int32(0))
-      return run_tile(0, 0)
+    def slot_of(j):  # key block j's ring slot (step j - tile_lo)
+      return lax.rem(j - tile_lo, jnp.int32(stages))
 
     def schedule_barrier():
       plgpu.barrier_arrive(schedule)
@@ -583,428 +523,401 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
     @pl.when(wg < 2)
     def _consumer():
       plgpu.set_max_registers(232, action="increase")
-
-      def run_tile(i, steps_before):
-        t = tile_of(i)
-        batch, q_head, kv_head = t.batch, t.q_head, t.kv_head
-        row_len, col_len, lower, upper = t.bounds
-        tile_lo, tile_hi = t.lo, t.hi
-        q_smem, q_bar = q_buffer(i)
-        o_smem = q_smem if o_over_q else o_smem2.at[wg]
-        p_smem = p_smem2.at[wg] if p_smem2 is not None else None
-        q_base = t.base + wg * bq
-
-        def slot_of(j):  # key block j's ring slot (the CTA's step)
-          return lax.rem(steps_before + j - tile_lo, jnp.int32(stages))
-
-        if persistent:   # the next tile's Q loads while this one runs
-          if o_over_q:   # into the buffer the last tile's O is stored from
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-          pl.when(i + 1 < tiles_here)(lambda: load_q(i + 1))
-        # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
-        # [tile_lo, tile_lo), so that it only drains
-        lo, full_lo, full_hi, hi = (
-            jnp.maximum(tile_ref[t.row, 6 + 4 * wg + c], tile_lo)
-            for c in range(4))
-        row_layout = plgpu.Layout.WGMMA.reduce(1)
-        col_layout = plgpu.Layout.WGMMA.reduce(0)
-        if has_qk_scales:
-          q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
-                               layout=row_layout, optimized=False)
-          if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
-            # becomes tiny, which leaves its scores at 0
-            q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
-        if has_segments:
-          q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
+      q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
+      p_smem = p_smem2.at[wg] if p_smem2 is not None else None
+      q_base = tile_base + wg * bq
+      # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
+      # [tile_lo, tile_lo), so that it only drains
+      lo, full_lo, full_hi, hi = (
+          jnp.maximum(tile_ref[tile, 6 + 4 * wg + c], tile_lo)
+          for c in range(4))
+      plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
+                              q_smem, q_bars.at[wg])
+      row_layout = plgpu.Layout.WGMMA.reduce(1)
+      col_layout = plgpu.Layout.WGMMA.reduce(0)
+      if has_qk_scales:
+        q_scale = plgpu.load(qs_ref.at[batch, q_head, pl.ds(q_base, bq)],
                              layout=row_layout, optimized=False)
-        stat = jnp.dtype(pasa_state_dtype) if pasa_per_block else f32
-        row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
-                                                   row_layout)
-        m_i, l_i = row(-jnp.inf), row(0.0)
-        acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
-                                plgpu.Layout.WGMMA)
-        pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
-        # the factor that takes scores to base 2 in the exponent
-        if has_qk_scales and not has_qbias:
-          exp_factor = q_scale
+        if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
+          # becomes tiny, which leaves its scores at 0
+          q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+      if has_segments:
+        q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
+                           layout=row_layout, optimized=False)
+      stat = jnp.dtype(pasa_state_dtype) if pasa_per_block else f32
+      row = lambda x, dt=stat: plgpu.layout_cast(jnp.full((bq,), x, dt),
+                                                 row_layout)
+      m_i, l_i = row(-jnp.inf), row(0.0)
+      acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
+                              plgpu.Layout.WGMMA)
+      pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
+      # the factor that takes scores to base 2 in the exponent
+      if has_qk_scales and not has_qbias:
+        exp_factor = q_scale
+      else:
+        exp_factor = 1.0 if has_qk_scales else c_scale
+      acc_type = jnp.int32 if qk == "int8" else f32
+      pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
+      plgpu.barrier_wait(q_bars.at[wg])
+
+      def block_loads(j, masked):
+        """Block j's values in global memory, as functions that give them:
+        loaded here with ``early_block_loads``, else where called."""
+        thunks = {}
+        if has_colsum:
+          thunks["colsum"] = lambda: plgpu.load(
+              colsum_ref.at[batch, kv_head, j], layout=col_layout,
+              optimized=False)
+        if has_vbs:
+          thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
+        thunks["weight"] = ((lambda: shifted_ref[batch, kv_head, j])
+                            if has_shifted else (lambda: None))
+        if masked and has_segments:
+          thunks["k_seg"] = lambda: plgpu.load(
+              kseg_ref.at[batch, pl.ds(j * bk, bk)], layout=col_layout,
+              optimized=False)
+        if early_block_loads:   # (the default x=f() loads here)
+          return {name: (lambda x=f(): x) for name, f in thunks.items()}
+        return thunks
+
+      def scores(s, j, masked, loads, k_scale=None):
+        """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
+        the exponent's factor and the visibility mask; frees K's slot.
+        ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
+        scale (``k_scale_per_block``)."""
+        slot = slot_of(j)
+        if int_scores_by_add and s.dtype == jnp.int32:
+          s = _int_to_float_by_add(s)
+        # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
+        if has_qk_scales and not k_scale_per_block:
+          plgpu.barrier_wait(ks_bars.at[slot])
+          k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
+                               optimized=False)
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
+          qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        if k_scale_per_block and not (has_qbias or exact_exponent):
+          # One K scale for the block: S_i32 q_scale k_j, with the row
+          # factor q_scale k_j > 0 applied by the softmax (no multiply per
+          # score; tiny keeps -inf * c at -inf where k_j = 0)
+          s = s.astype(f32)
+          c = jnp.maximum(q_scale * k_scale,
+                          np.float32(np.finfo(np.float32).tiny))
+        elif k_scale_per_block and has_qbias:  # one FMA per score with qb
+          s = s.astype(f32) * lax.broadcast_in_dim(q_scale * k_scale,
+                                                   s.shape, [0])
+          c = 1.0
+        elif has_qk_scales and not has_qbias:
+          # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
+          # row max of S_i32 k_scale times q_scale, one FMA per score in the
+          # exponent (the exact exponent keeps m in the units of S_i32
+          # k_scale, the same in every block)
+          s = s.astype(f32) * (k_scale if k_scale_per_block else
+                               lax.broadcast_in_dim(k_scale, s.shape, [1]))
+          c = q_scale
+        elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
+          s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
+               * lax.broadcast_in_dim(k_scale, s.shape, [1]))
+          c = 1.0
         else:
-          exp_factor = 1.0 if has_qk_scales else c_scale
-        acc_type = jnp.int32 if qk == "int8" else f32
-        pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
-        plgpu.barrier_wait(q_bar)
+          c = c_scale
+          if f16_scores:   # S leaves the matmul unit in float16
+            s = s.astype(f16).astype(f32)
+        if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
+          s = s + lax.broadcast_in_dim(qb, s.shape, [1])
+        visible = None
+        if masked:
+          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
+                                        layout=plgpu.Layout.WGMMA) + q_base
+          cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
+                                        layout=plgpu.Layout.WGMMA) + j * bk
+          visible = common.visible(rows, cols,
+                                   (row_len, col_len, lower, upper))
+          if has_segments:
+            k_seg = loads["k_seg"]()
+            visible = visible & (
+                lax.broadcast_in_dim(q_seg, (bq, bk), [0])
+                == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
+        return s, c, visible
 
-        def block_loads(j, masked):
-          """Block j's values in global memory, as functions that give them:
-          loaded here with ``early_block_loads``, else where called."""
-          thunks = {}
-          if has_colsum:
-            thunks["colsum"] = lambda: plgpu.load(
-                colsum_ref.at[batch, kv_head, j], layout=col_layout,
-                optimized=False)
-          if has_vbs:
-            thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
-          thunks["weight"] = ((lambda: shifted_ref[batch, kv_head, j])
-                              if has_shifted else (lambda: None))
-          if masked and has_segments:
-            thunks["k_seg"] = lambda: plgpu.load(
-                kseg_ref.at[batch, pl.ds(j * bk, bk)], layout=col_layout,
-                optimized=False)
-          if early_block_loads:   # (the default x=f() loads here)
-            return {name: (lambda x=f(): x) for name, f in thunks.items()}
-          return thunks
+      def softmax(s, c, visible, m_i, l_i, shift=None):
+        """The online softmax of one block: P (the PV operand's dtype),
+        the new row max and sum, the factor ``alpha`` of the old ones, and
+        the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
+        factor ``e^{m_t - m'}`` of its product).  ``shift``: PASA's
+        corrections ``(dm'_{j-1}, dm'_j)`` in the units of ``m``, which
+        move the old max and the block's (None: none)."""
+        if pasa_per_block:
+          p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
+                                      state_dtype=stat, exp_factor=c)
+          return p, (m_i, l_i, None, pasa_rows)
+        # PASA: the old max moves by dm'_{j-1}, the block's by dm'_j, and
+        # the block's P is taken against the new max less dm'_j
+        if shift is not None:
+          m_i = m_i + shift[0]
+        moved = (lambda m: m) if shift is None else (lambda m: m + shift[1])
+        unmoved = (lambda m: m) if shift is None else (lambda m: m - shift[1])
+        if visible is not None:
+          s = jnp.where(visible, s, -jnp.inf)
+        if pv == "uint8":
+          return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
+                                   exact_exponent=exact_exponent,
+                                   round_p_by_add=round_p_by_add)
 
-        def scores(s, j, masked, loads, k_scale=None):
-          """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
-          the exponent's factor and the visibility mask; frees K's slot.
-          ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
-          scale (``k_scale_per_block``)."""
-          slot = slot_of(j)
-          if int_scores_by_add and s.dtype == jnp.int32:
-            s = _int_to_float_by_add(s)
-          # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
-          if has_qk_scales and not k_scale_per_block:
-            plgpu.barrier_wait(ks_bars.at[slot])
-            k_scale = plgpu.load(ks_smem.at[slot], layout=col_layout,
-                                 optimized=False)
-          if has_qbias:
-            plgpu.barrier_wait(qb_bars.at[slot])
-            qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          if k_scale_per_block and not (has_qbias or exact_exponent):
-            # One K scale for the block: S_i32 q_scale k_j, with the row
-            # factor q_scale k_j > 0 applied by the softmax (no multiply per
-            # score; tiny keeps -inf * c at -inf where k_j = 0)
-            s = s.astype(f32)
-            c = jnp.maximum(q_scale * k_scale,
-                            np.float32(np.finfo(np.float32).tiny))
-          elif k_scale_per_block and has_qbias:  # one FMA per score with qb
-            s = s.astype(f32) * lax.broadcast_in_dim(q_scale * k_scale,
-                                                     s.shape, [0])
-            c = 1.0
-          elif has_qk_scales and not has_qbias:
-            # S = (S_i32 k_scale) q_scale, q_scale > 0 applied by the softmax:
-            # row max of S_i32 k_scale times q_scale, one FMA per score in the
-            # exponent (the exact exponent keeps m in the units of S_i32
-            # k_scale, the same in every block)
-            s = s.astype(f32) * (k_scale if k_scale_per_block else
-                                 lax.broadcast_in_dim(k_scale, s.shape, [1]))
-            c = q_scale
-          elif has_qk_scales:  # S in base 2: the query scale holds scale*log2 e
-            s = (s.astype(f32) * lax.broadcast_in_dim(q_scale, s.shape, [0])
-                 * lax.broadcast_in_dim(k_scale, s.shape, [1]))
-            c = 1.0
+        def finite(m_new):
+          """The max the exponents subtract: 0 for a row that has seen no
+          key yet (its m stays -inf: no -inf - -inf), only in masked
+          steps (every row sees a finite score of an unmasked block,
+          unless float16 scores round a whole block to -inf)."""
+          if visible is None and not f16_scores:
+            return m_new
+          return jnp.where(m_new == -jnp.inf, 0.0, m_new)
+        if exact_exponent:
+          # The running max in the units of s: s - m is exact for the
+          # scores near the max (Sterbenz), so a tie gets exactly P = 1
+          # however large the scores are, and the factor c comes after.
+          # Mosaic GPU allows FMA contraction: without the barrier,
+          # s = S_i32 * k_scale fuses into s - m, the max score's exponent
+          # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
+          # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
+          s = lax.optimization_barrier(s)
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
+          m_ref = finite(m_new)
+          e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
+          if not isinstance(c, float):   # a row of factors
+            alpha = jnp.exp2((m_i - m_ref) * c)
+            e = e * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            alpha = jnp.exp2((m_i - m_ref) * c)
+            e = e * c
           else:
-            c = c_scale
-            if f16_scores:   # S leaves the matmul unit in float16
-              s = s.astype(f16).astype(f32)
-          if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
-            s = s + lax.broadcast_in_dim(qb, s.shape, [1])
-          visible = None
-          if masked:
-            rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                          layout=plgpu.Layout.WGMMA) + q_base
-            cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                          layout=plgpu.Layout.WGMMA) + j * bk
-            visible = common.visible(rows, cols,
-                                     (row_len, col_len, lower, upper))
-            if has_segments:
-              k_seg = loads["k_seg"]()
-              visible = visible & (
-                  lax.broadcast_in_dim(q_seg, (bq, bk), [0])
-                  == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
-          return s, c, visible
-
-        def softmax(s, c, visible, m_i, l_i, shift=None):
-          """The online softmax of one block: P (the PV operand's dtype),
-          the new row max and sum, the factor ``alpha`` of the old ones, and
-          the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
-          factor ``e^{m_t - m'}`` of its product).  ``shift``: PASA's
-          corrections ``(dm'_{j-1}, dm'_j)`` in the units of ``m``, which
-          move the old max and the block's (None: none)."""
-          if pasa_per_block:
-            p, pasa_rows = _pasa_scores(s, visible, block_k=bk,
-                                        state_dtype=stat, exp_factor=c)
-            return p, (m_i, l_i, None, pasa_rows)
-          # PASA: the old max moves by dm'_{j-1}, the block's by dm'_j, and
-          # the block's P is taken against the new max less dm'_j
-          if shift is not None:
-            m_i = m_i + shift[0]
-          moved = (lambda m: m) if shift is None else (lambda m: m + shift[1])
-          unmoved = (lambda m: m) if shift is None else (lambda m: m - shift[1])
-          if visible is not None:
-            s = jnp.where(visible, s, -jnp.inf)
-          if pv == "uint8":
-            return _block_anchored_p(s, c, m_i, l_i, masked=visible is not None,
-                                     exact_exponent=exact_exponent,
-                                     round_p_by_add=round_p_by_add)
-
-          def finite(m_new):
-            """The max the exponents subtract: 0 for a row that has seen no
-            key yet (its m stays -inf: no -inf - -inf), only in masked
-            steps (every row sees a finite score of an unmasked block,
-            unless float16 scores round a whole block to -inf)."""
-            if visible is None and not f16_scores:
-              return m_new
-            return jnp.where(m_new == -jnp.inf, 0.0, m_new)
-          if exact_exponent:
-            # The running max in the units of s: s - m is exact for the
-            # scores near the max (Sterbenz), so a tie gets exactly P = 1
-            # however large the scores are, and the factor c comes after.
-            # Mosaic GPU allows FMA contraction: without the barrier,
-            # s = S_i32 * k_scale fuses into s - m, the max score's exponent
-            # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
-            # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
-            s = lax.optimization_barrier(s)
-            m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
-            m_ref = finite(m_new)
-            e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
-            if not isinstance(c, float):   # a row of factors
-              alpha = jnp.exp2((m_i - m_ref) * c)
-              e = e * lax.broadcast_in_dim(c, s.shape, [0])
-            elif c != 1.0:
-              alpha = jnp.exp2((m_i - m_ref) * c)
-              e = e * c
-            else:
-              alpha = jnp.exp2(m_i - m_ref)
-            p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
-          else:
-            m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
-            m_ref = finite(m_new)
             alpha = jnp.exp2(m_i - m_ref)
-            # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
-            m_exp = unmoved(m_ref)
-            if pv == "fp8":
-              m_exp = m_exp - LOG2_FP8_MAX
-            if not isinstance(c, float):   # a row of factors
-              s = s * lax.broadcast_in_dim(c, s.shape, [0])
-            elif c != 1.0:
-              s = s * c
-            p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+          p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
+        else:
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
+          m_ref = finite(m_new)
+          alpha = jnp.exp2(m_i - m_ref)
+          # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
+          m_exp = unmoved(m_ref)
           if pv == "fp8":
-            p_op = p.astype(jnp.float8_e4m3fn)
-          elif pv == "int8":  # floor(127 p + 1/2)
-            p, p_op = _floor_to_8bit(p * 127.0 + 0.5, 0, by_add=round_p_by_add)
-          else:
-            p_op = p.astype(v_ref.dtype)
-          return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
+            m_exp = m_exp - LOG2_FP8_MAX
+          if not isinstance(c, float):   # a row of factors
+            s = s * lax.broadcast_in_dim(c, s.shape, [0])
+          elif c != 1.0:
+            s = s * c
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
+        if pv == "fp8":
+          p_op = p.astype(jnp.float8_e4m3fn)
+        elif pv == "int8":  # floor(127 p + 1/2)
+          p, p_op = _floor_to_8bit(p * 127.0 + 0.5, 0, by_add=round_p_by_add)
+        else:
+          p_op = p.astype(v_ref.dtype)
+        return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
 
-        def pv_operands(j, p_op):
-          """P as the PV wgmma's A operand and block j's V slot as B."""
-          if p_in_smem:
-            p_smem[...] = p_op
-            plgpu.commit_smem()
-            p_op = p_smem
-          elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
-            p_op = _as_8bit_operand(p_op)
-          v_op = v_smem.at[slot_of(j)]
-          if eight_bit_pv:
-            v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
-          return p_op, v_op
+      def pv_operands(j, p_op):
+        """P as the PV wgmma's A operand and block j's V slot as B."""
+        if p_in_smem:
+          p_smem[...] = p_op
+          plgpu.commit_smem()
+          p_op = p_smem
+        elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
+          p_op = _as_8bit_operand(p_op)
+        v_op = v_smem.at[slot_of(j)]
+        if eight_bit_pv:
+          v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
+        return p_op, v_op
 
-        def add_block(state, pv_blk, loads, alpha, block_rows):
-          """The state ``(O, m, l, PASA's F)`` after the block's per-block
-          ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
-          if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
-            colsum = loads["colsum"]()
-            pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
-                                                   [1])
-            pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
-                block_rows, pv_blk.shape, [0])
-          else:
-            pv_blk = pv_blk.astype(f32)
-          if has_vbs:  # one V scale per key block
-            pv_blk = pv_blk * loads["v_scale"]()
-          if pasa_per_block:
-            return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
-                                exp_factor=c_scale,
-                                weight=loads["weight"]())
-          acc, *rest = state
-          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
-          return (acc, *rest)
+      def add_block(state, pv_blk, loads, alpha, block_rows):
+        """The state ``(O, m, l, PASA's F)`` after the block's per-block
+        ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
+        if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
+          colsum = loads["colsum"]()
+          pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
+                                                 [1])
+          pv_blk = pv_blk.astype(f32) * lax.broadcast_in_dim(
+              block_rows, pv_blk.shape, [0])
+        else:
+          pv_blk = pv_blk.astype(f32)
+        if has_vbs:  # one V scale per key block
+          pv_blk = pv_blk * loads["v_scale"]()
+        if pasa_per_block:
+          return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
+                              exp_factor=c_scale,
+                              weight=loads["weight"]())
+        acc, *rest = state
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
+        return (acc, *rest)
 
-        def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
-          acc, m_i, l_i, pasa_state = carry
-          slot = slot_of(j)
-          # (issued before the QK wait, so that the load's latency hides)
-          k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
-          loads = block_loads(j, masked)
+      def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
+        acc, m_i, l_i, pasa_state = carry
+        slot = slot_of(j)
+        # (issued before the QK wait, so that the load's latency hides)
+        k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
+        loads = block_loads(j, masked)
 
-          def qk_scope(acc_ref):
+        def qk_scope(acc_ref):
+          plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+          schedule_barrier()
+          return acc_ref[...]
+        if "qk" in fresh_accumulators:
+          def qk_state(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             schedule_barrier()
-            return acc_ref[...]
-          if "qk" in fresh_accumulators:
-            def qk_state(acc_ref):
-              plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-              schedule_barrier()
-            s = pl.run_state(qk_state)(plgpu.ACC.init(
-                _fresh_accumulator((bq, bk), acc_type)))
-          else:
-            s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
-          if pasa_running:   # Sbar': the float32 product's mean, before masks
-            s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-          s, c, visible = scores(s, j, masked, loads, k_block)
-          shift = None
-          if pasa_running:   # PASA steps 3-4 move the online softmax's max
-            seen = (None if visible is None else
-                    jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
-            f, count = pasa_state
-            f, count, dmp_prev, dmp_cur = _pasa_corrections(
-                f, count, s_mean, inva=pasa_inva, weight=loads["weight"](),
-                seen=seen)
-            pasa_state = (f, count)
-            # m is in the units of s with the exact exponent, else base 2
-            shift = ((dmp_prev, dmp_cur) if exact_exponent
-                     else (dmp_prev * c, dmp_cur * c))
-          p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
-                                                            m_i, l_i, shift)
-          if fused_pv:   # (else one FMA in add_block)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-          plgpu.barrier_arrive(schedule)
-          plgpu.barrier_wait(v_bars.at[slot])
-          plgpu.barrier_wait(schedule)
-          p_op, v_op = pv_operands(j, p_op)
+          s = pl.run_state(qk_state)(plgpu.ACC.init(
+              _fresh_accumulator((bq, bk), acc_type)))
+        else:
+          s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
+        if pasa_running:   # Sbar': the float32 product's mean, before masks
+          s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
+        s, c, visible = scores(s, j, masked, loads, k_block)
+        shift = None
+        if pasa_running:   # PASA steps 3-4 move the online softmax's max
+          seen = (None if visible is None else
+                  jnp.where(visible, 1.0, 0.0).max(axis=1) > 0.0)
+          f, count = pasa_state
+          f, count, dmp_prev, dmp_cur = _pasa_corrections(
+              f, count, s_mean, inva=pasa_inva, weight=loads["weight"](),
+              seen=seen)
+          pasa_state = (f, count)
+          # m is in the units of s with the exact exponent, else base 2
+          shift = ((dmp_prev, dmp_cur) if exact_exponent
+                   else (dmp_prev * c, dmp_cur * c))
+        p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
+                                                          m_i, l_i, shift)
+        if fused_pv:   # (else one FMA in add_block)
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(v_bars.at[slot])
+        plgpu.barrier_wait(schedule)
+        p_op, v_op = pv_operands(j, p_op)
 
-          def wait_next_k():
-            @pl.when(j + 1 < hi)
-            def _():
-              plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
+        def wait_next_k():
+          @pl.when(j + 1 < hi)
+          def _():
+            plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
 
-          if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
-            def pv_state(acc_ref):
-              plgpu.wgmma(acc_ref, p_op, v_op)
-              wait_next_k()
-            acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
-          else:          # per-block product, added into the accumulator
-            def pv_scope(pv_ref):
+        if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
+          def pv_state(acc_ref):
+            plgpu.wgmma(acc_ref, p_op, v_op)
+            wait_next_k()
+          acc = pl.run_state(pv_state)(plgpu.ACC.init(acc))
+        else:          # per-block product, added into the accumulator
+          def pv_scope(pv_ref):
+            plgpu.wgmma(pv_ref, p_op, v_op)
+            wait_next_k()
+            return pv_ref[...]
+          if "pv" in fresh_accumulators:
+            def pv_state(pv_ref):
               plgpu.wgmma(pv_ref, p_op, v_op)
               wait_next_k()
-              return pv_ref[...]
-            if "pv" in fresh_accumulators:
-              def pv_state(pv_ref):
-                plgpu.wgmma(pv_ref, p_op, v_op)
-                wait_next_k()
-              pv_blk = pl.run_state(pv_state)(plgpu.ACC.init(
-                  _fresh_accumulator((bq, head_dim), pv_type)))
-            else:
-              pv_blk = pl.run_scoped(pv_scope,
-                                     plgpu.ACC((bq, head_dim), pv_type))
-            acc, m_new, l_new, pasa_state = add_block(
-                (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
-                block_rows)
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          return acc, m_new, l_new, pasa_state
+            pv_blk = pl.run_state(pv_state)(plgpu.ACC.init(
+                _fresh_accumulator((bq, head_dim), pv_type)))
+          else:
+            pv_blk = pl.run_scoped(pv_scope,
+                                   plgpu.ACC((bq, head_dim), pv_type))
+          acc, m_new, l_new, pasa_state = add_block(
+              (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
+              block_rows)
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_new, l_new, pasa_state
 
-        def drain(j, _):  # blocks the other warpgroup needs and this one not
-          slot = slot_of(j)
-          plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
-          plgpu.barrier_wait(v_bars.at[slot])
-          if has_qk_scales and not k_scale_per_block:
-            plgpu.barrier_wait(ks_bars.at[slot])
-          if has_qbias:
-            plgpu.barrier_wait(qb_bars.at[slot])
-          plgpu.barrier_arrive(k_consumed.at[slot])
-          plgpu.barrier_arrive(v_consumed.at[slot])
-          schedule_barrier()
-          schedule_barrier()
+      def drain(j, _):  # blocks the other warpgroup needs and this one not
+        slot = slot_of(j)
+        plgpu.barrier_wait(k_bars.at[slot])   # (every phase is observed)
+        plgpu.barrier_wait(v_bars.at[slot])
+        if has_qk_scales and not k_scale_per_block:
+          plgpu.barrier_wait(ks_bars.at[slot])
+        if has_qbias:
+          plgpu.barrier_wait(qb_bars.at[slot])
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        plgpu.barrier_arrive(v_consumed.at[slot])
+        schedule_barrier()
+        schedule_barrier()
 
-        # Every step of [tile_lo, tile_hi) in order, each barrier phase
-        # observed once: drain, masked, unmasked, masked, drain.
-        pl.when(wg == 1)(schedule_barrier)
-        lax.fori_loop(tile_lo, lo, drain, None)
+      # Every step of [tile_lo, tile_hi) in order, each barrier phase
+      # observed once: drain, masked, unmasked, masked, drain.
+      pl.when(wg == 1)(schedule_barrier)
+      lax.fori_loop(tile_lo, lo, drain, None)
 
-        @pl.when(hi > lo)
-        def _():
-          plgpu.barrier_wait(k_bars.at[slot_of(lo)])
+      @pl.when(hi > lo)
+      def _():
+        plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
-        masked_step = functools.partial(kv_step, masked=True)
-        carry = lax.fori_loop(lo, full_lo, masked_step,
-                              (acc, m_i, l_i, pasa_state))
-        carry = lax.fori_loop(full_lo, full_hi,
-                              functools.partial(kv_step, masked=False), carry)
-        acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
-        lax.fori_loop(hi, tile_hi, drain, None)
-        pl.when(wg == 0)(schedule_barrier)
+      masked_step = functools.partial(kv_step, masked=True)
+      carry = lax.fori_loop(lo, full_lo, masked_step,
+                            (acc, m_i, l_i, pasa_state))
+      carry = lax.fori_loop(full_lo, full_hi,
+                            functools.partial(kv_step, masked=False), carry)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
+      lax.fori_loop(hi, tile_hi, drain, None)
+      pl.when(wg == 0)(schedule_barrier)
 
-        empty = l_i == 0.0
-        # (with P * 448 folded into the exponent, l is in units of 1/448)
-        l_unit = FP8_MAX if pv == "fp8" else 1.0
-        inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
-        out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
-        if has_epilogue:
-          osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
-                           optimized=False)
-          osh = plgpu.load(osh_ref.at[batch, kv_head], layout=col_layout,
-                           optimized=False)
-          out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
-                 + lax.broadcast_in_dim(osh, out.shape, [1]))
-        out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
-        if has_nan_rows:   # the rows a NaN/Inf input reaches
-          nan_row = plgpu.load(
-              nan_rows_ref.at[batch, q_head, pl.ds(q_base, bq)],
-              layout=row_layout, optimized=False)
-          out = jnp.where(lax.broadcast_in_dim(nan_row > 0.0, out.shape, [0]),
-                          jnp.nan, out)
-        if persistent and not o_over_q:   # the last tile's stores have read
-          plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        o_smem[...] = out.astype(out_dtype)
+      empty = l_i == 0.0
+      # (with P * 448 folded into the exponent, l is in units of 1/448)
+      l_unit = FP8_MAX if pv == "fp8" else 1.0
+      inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
+      out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
+      if has_epilogue:
+        osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        osh = plgpu.load(osh_ref.at[batch, kv_head], layout=col_layout,
+                         optimized=False)
+        out = (out * lax.broadcast_in_dim(osc, out.shape, [1])
+               + lax.broadcast_in_dim(osh, out.shape, [1]))
+      out = jnp.where(lax.broadcast_in_dim(empty, out.shape, [0]), 0.0, out)
+      if has_nan_rows:   # the rows a NaN/Inf input reaches
+        nan_row = plgpu.load(
+            nan_rows_ref.at[batch, q_head, pl.ds(q_base, bq)],
+            layout=row_layout, optimized=False)
+        out = jnp.where(lax.broadcast_in_dim(nan_row > 0.0, out.shape, [0]),
+                        jnp.nan, out)
+      o_smem[...] = out.astype(out_dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(o_smem,
+                              out_ref.at[batch, pl.ds(q_base, bq), q_head])
+      if return_lse:
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
+                                     m_scaled=not exact_exponent)
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(o_smem,
-                                out_ref.at[batch, pl.ds(q_base, bq), q_head])
-        if return_lse:
-          lse_smem = lse_smem2.at[wg]
-          lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
-                                       m_scaled=not exact_exponent)
-          plgpu.commit_smem()
-          plgpu.copy_smem_to_gmem(lse_smem,
-                                  lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
-        return steps_before + (tile_hi - tile_lo)
-
-      load_q(0)
-      for_each_tile(run_tile)
+        plgpu.copy_smem_to_gmem(lse_smem,
+                                lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
 
-      def load(t, j, slot):  # tile t's key block j into the ring's slot
+      def load(u, slot):  # step u: key block tile_lo + u
+        j = tile_lo + u
         plgpu.copy_gmem_to_smem(
-            k_ref.at[t.batch, pl.ds(j * bk, bk), t.kv_head], k_smem.at[slot],
+            k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
             k_bars.at[slot])
-        v_src = (v_ref.at[t.batch, t.kv_head, :, pl.ds(j * bk, bk)]
-                 if eight_bit_pv
-                 else v_ref.at[t.batch, pl.ds(j * bk, bk), t.kv_head])
+        v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
+                 else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
         plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
         if has_qk_scales and not k_scale_per_block:
-          plgpu.copy_gmem_to_smem(
-              ks_ref.at[t.batch, t.kv_head, pl.ds(j * bk, bk)],
-              ks_smem.at[slot], ks_bars.at[slot])
+          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
+                                  ks_smem.at[slot], ks_bars.at[slot])
         if has_qbias:  # both consumers' rows lie in one bias block
           plgpu.copy_gmem_to_smem(
-              qbias_ref.at[t.batch, t.q_head,
-                           lax.div(t.base, jnp.int32(bias_rows)),
+              qbias_ref.at[batch, q_head,
+                           lax.div(tile_base, jnp.int32(bias_rows)),
                            pl.ds(j * bk, bk)],
               qb_smem.at[slot], qb_bars.at[slot])
 
-      def run_tile(i, steps_before):
-        t = tile_of(i)
+      for st in range(stages):
+        pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
 
-        @pl.loop(0, t.hi - t.lo)
-        def _(u):  # the CTA's step steps_before + u: key block t.lo + u
-          step = steps_before + u
-          slot = lax.rem(step, jnp.int32(stages))
+      @pl.loop(stages, jnp.maximum(tile_steps, stages))
+      def _(u):
+        slot = lax.rem(u, jnp.int32(stages))
+        plgpu.barrier_wait(k_consumed.at[slot])
+        plgpu.barrier_wait(v_consumed.at[slot])
+        load(u, slot)
 
-          @pl.when(step >= stages)   # the slot's last use has ended
-          def _():
-            plgpu.barrier_wait(k_consumed.at[slot])
-            plgpu.barrier_wait(v_consumed.at[slot])
-          load(t, t.lo + u, slot)
-        return steps_before + (t.hi - t.lo)
-
-      steps = for_each_tile(run_tile)
-
-      @pl.loop(jnp.maximum(steps - stages, 0), steps)
+      @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
       def _(u):  # the last uses of each slot (every phase is observed)
         slot = lax.rem(u, jnp.int32(stages))
         plgpu.barrier_wait(k_consumed.at[slot])
@@ -1014,10 +927,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   v_tile = (head_dim, bk) if eight_bit_pv else (bk, head_dim)
   p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8,
              "uint8": jnp.int8}.get(pv, v_dtype)
-  q_buffers = 2 if persistent else 1
   scratch = [
-      _smem((q_buffers, 2, bq, head_dim) if persistent else (2, bq, head_dim),
-            q_dtype),
+      _smem((2, bq, head_dim), q_dtype),
       _smem((2, bq, head_dim), out_dtype) if out_dtype != q_dtype else None,
       _smem((stages, bk, head_dim), k_dtype),
       _smem((stages, *v_tile), v_dtype),
@@ -1030,7 +941,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   barriers = (
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=2 * q_buffers),
+      plgpu.Barrier(num_barriers=2),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2, num_barriers=stages),
       plgpu.Barrier(num_arrivals=2),
@@ -1066,24 +977,6 @@ def tile_table(bounds, ranges, *, heaviest_first: bool):
               + (ranges[..., 7] - ranges[..., 4])).reshape(b * tiles)
     table = table[jnp.argsort(-blocks, stable=True)]
   return table
-
-
-def snake_item(i, cta, num_ctas: int):
-  """A persistent CTA's ``i``-th work item: ``i * num_ctas + cta``, counted
-  from the band's end on odd ``i``.  With the items heaviest first
-  (:func:`tile_table`), each CTA takes one item of every band of
-  ``num_ctas``, the heavy end of one band and the light end of the next,
-  so the CTAs' sums of work even out (a static longest-first schedule)."""
-  pos = jnp.where(i % 2 == 0, cta, num_ctas - 1 - cta)
-  return i * num_ctas + pos
-
-
-def snake_count(cta, num_items: int, num_ctas: int):
-  """How many items :func:`snake_item` gives CTA ``cta``: the whole bands,
-  and the last partial band's first ``rest`` positions."""
-  bands, rest = divmod(num_items, num_ctas)
-  last_pos = cta if bands % 2 == 0 else num_ctas - 1 - cta
-  return bands + jnp.where(last_pos < rest, 1, 0).astype(jnp.int32)
 
 
 def _grid(heads: int, tiles: int) -> dict:
@@ -1272,20 +1165,13 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
       early_block_loads=EARLY_BLOCK_LOADS)
-  tiles = b * t_pad // (2 * bq)
-  if PERSISTENT:
-    num_ctas = min(num_sms(), n * tiles)
-    grid = dict(grid=(num_ctas,), grid_names=("cta",))
-  else:
-    num_ctas, grid = None, _grid(n, tiles)
-  kernel = functools.partial(kernel, persistent=PERSISTENT, num_ctas=num_ctas)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
   out = plgpu.kernel(
       kernel,
       out_type=out_type,
-      **grid,
+      **_grid(n, b * t_pad // (2 * bq)),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,

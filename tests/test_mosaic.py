@@ -528,68 +528,6 @@ def test_tile_table_lists_every_cta_once_longest_first():
       mosaic.tile_table(full, uniform, heaviest_first=False))
 
 
-def test_snake_schedule_gives_every_tile_to_one_cta_evenly():
-  """The persistent CTAs' static schedule: every work item once, each CTA
-  within one item of the others, and on causal tiles listed heaviest first
-  the CTAs' total work within one band's spread, where handing out the
-  list round-robin leaves them a whole list's spread apart."""
-  from pallas_kernels import mosaic
-  for items, ctas in [(12, 3), (13, 3), (14, 3), (7, 7), (5, 4), (4096, 132)]:
-    got = [[int(mosaic.snake_item(i, c, ctas))
-            for i in range(int(mosaic.snake_count(c, items, ctas)))]
-           for c in range(ctas)]
-    assert sorted(sum(got, [])) == list(range(items)), (items, ctas)
-    assert max(map(len, got)) - min(map(len, got)) <= 1
-  # 2 batch rows x 32 heads x 32 causal tiles of 2 x 64 rows against
-  # 128-key blocks, heaviest first: tile r computes r + 1 blocks per row
-  work = np.repeat(np.arange(32, 0, -1), 64)
-  items, ctas = work.size, 132
-  def spread(item_of):
-    sums = [sum(work[item_of(i, c)] for i in range(items // ctas + 1)
-                if item_of(i, c) < items) for c in range(ctas)]
-    return max(sums) - min(sums)
-  snake = spread(lambda i, c: int(mosaic.snake_item(i, c, ctas)))
-  round_robin = spread(lambda i, c: i * ctas + c)
-  assert snake <= 2 and round_robin >= 30, (snake, round_robin)
-
-
-@pytest.mark.parametrize("method,case", [
-    ("fp32", "segments"), ("sage", "window"), ("int8", "window_1"),
-    ("fmha_int8", "segments")], ids=str)
-def test_mosaic_persistent_ctas_give_the_per_tile_bits(method, case,
-                                                       monkeypatch):
-  """One CTA per SM running several tiles (three simulated SMs here, with
-  the ring turning across tiles and Q in two alternating buffers) writes
-  the same bits as one CTA per tile: outputs over Q's tile (fp32) and
-  apart (8-bit Q), per-key and per-block K scales, the smoothing bias, V's
-  column sums, masks from indices, and the log-sum-exp."""
-  from jaxattn import methods
-  from pallas_kernels import mosaic
-  b, t, s, n, d = 2, 200, 300, 3, 64
-  kq, kk, kv = jax.random.split(jax.random.key(9), 3)
-  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
-  k = jax.random.normal(kk, (b, s, 1, d), jnp.float16) + 0.5
-  v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
-  im, _, kv_lens, causal = _index_case(case, b, t, s)
-  config = methods.get(method).config_cls.from_options(block_k=64)
-  outs = []
-  for persistent in (False, True):
-    monkeypatch.setattr(mosaic, "PERSISTENT", persistent)
-    if method == "fp32":
-      out = mosaic.mosaic_attention(
-          q, k, v, kv_lens, qk="fp16", pv="fp16", is_causal=causal,
-          scale=d ** -0.5, index_mask=im, return_lse=True,
-          params=mosaic.MosaicParams(block_k=64))
-    else:
-      out = (_mosaic_with_index_mask(method, q, k, v, kv_lens, im,
-                                     scale=d ** -0.5, is_causal=causal,
-                                     config=config),)
-    outs.append([np.asarray(x, np.float32) for x in out])
-  assert np.isfinite(outs[0][0]).all() and np.abs(outs[0][0]).max() > 0.1
-  for per_tile, persistent in zip(*outs, strict=True):
-    np.testing.assert_array_equal(persistent, per_tile)
-
-
 def test_mosaic_output_lse_is_the_kernels_own():
   """``output_lse`` (what the ring's merge takes) is the quantized kernel's
   log-sum-exp, with the score shift of SageAttention's key smoothing added
