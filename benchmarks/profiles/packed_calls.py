@@ -1,0 +1,42 @@
+"""The calls an Nsight Compute profile of the packed workload compares: the
+fp32 Mosaic kernel on 2x32x8192x128 float16, causal, unmasked and packed
+(8 documents of random lengths per row, as ``benchmarks/index_mask.py``),
+the packed tiles launched longest first and in the natural order; and the
+packed fp8 call.  One launch of each, after its compile::
+
+    ncu --clock-control none --section SpeedOfLight \\
+        --section MemoryWorkloadAnalysis --section WarpStateStats \\
+        python benchmarks/profiles/packed_calls.py
+
+(the attention kernels are the launches with 384 threads per block).
+"""
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn import api
+from jaxattn.tuning import random_btnh
+from pallas_kernels import mosaic
+
+sys.path.insert(0, "benchmarks")
+from index_mask import packed_segments  # noqa: E402
+
+shape = (2, 8192, 32, 128)
+q, k, v = random_btnh(shape)
+segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
+calls = [("fp32 causal", "fp32", {}, True),
+         ("fp32 packed, longest first", "fp32", {"q_segment_ids": segs}, True),
+         ("fp32 packed, natural order", "fp32", {"q_segment_ids": segs}, False),
+         ("fp8 packed, longest first", "fp8", {"q_segment_ids": segs}, True)]
+for name, method, opts, heaviest in calls:
+  mosaic.HEAVIEST_FIRST = heaviest
+  jax.clear_caches()
+  fn = jax.jit(lambda q, k, v: api.dot_product_attention(
+      q, k, v, is_causal=True, method=method, implementation="mosaic", **opts))
+  compiled = fn.lower(q, k, v).compile()
+  print(f"=== {name}", flush=True)
+  jax.block_until_ready(compiled(q, k, v))
+  print(f"=== end {name}", flush=True)
+mosaic.HEAVIEST_FIRST = True
