@@ -1,0 +1,57 @@
+"""A/B of how the Mosaic adapters choose between the kernel's fused and
+exact exponents, end to end on the H100, in one process against cuDNN
+bfloat16:
+
+  python benchmarks/exponent_switch.py OUT.json [--causal]
+      --part methods|fp32 [--shape B,S,N,D]
+
+``cond`` (the default): an XLA ``lax.cond`` on a bound of the scores
+(``jaxattn.backends.mosaic._exact_when_needed``), which for ``fp32`` reads
+Q and K for their largest row norms; ``fused``: the fused exponent
+always, with no bound and no conditional (the time the choice costs; not
+safe for huge scores); with ``--part fp32`` (fp32 only) also ``exact``:
+the exact exponent always, with no bound.  Packed rows (8 documents of random lengths per row)
+run in the causal calls.  Each call is compiled ahead of time, then timed
+in three rounds of alternating order; the two settings' outputs must be
+the same bits, on ordinary inputs and with a NaN in one query row and an
+Inf in one key.
+"""
+
+import jax.numpy as jnp
+import numpy as np
+
+from jaxattn.backends import mosaic as mosaic_backend
+from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+                            random_btnh, record_against_cudnn)
+
+import sys
+sys.path.insert(0, "benchmarks")
+from index_mask import packed_segments  # noqa: E402
+
+SETTINGS = (("cond", mosaic_backend._exact_when_needed),
+            ("fused", lambda kernel, bound: kernel(exact_exponent=False)),
+            ("exact", lambda kernel, bound: kernel(exact_exponent=True)))
+
+
+def main(out_path, causal, shape, part):
+  q, k, v = random_btnh(shape)
+  inputs = [(q, k, v),
+            (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
+  segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
+  plain = ("fp32",) if part == "fp32" else ("fp32", "int8", "sage", "fp8")
+  packed = ("fp32",) if part == "fp32" else ("fp32", "fp8")
+  methods = [(m, m, {}) for m in plain]
+  if causal:
+    methods += [(f"packed_{m}", m, {"q_segment_ids": segs}) for m in packed]
+  settings = SETTINGS if part == "fp32" else SETTINGS[:2]
+  calls, checks = api_calls_per_setting(
+      mosaic_backend, "_exact_when_needed", settings, methods, inputs,
+      causal=causal, log=lambda m: print(m, flush=True))
+  mosaic_backend._exact_when_needed = SETTINGS[0][1]
+  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+                       checks=checks)
+
+
+if __name__ == "__main__":
+  a = benchmark_args(causal=True, parts=("methods", "fp32"))
+  main(a.out, a.causal, a.shape, a.part)
