@@ -264,7 +264,9 @@ def test_automatic_choice_logs_why_it_passes_over_a_backend(monkeypatch,
 def test_huge_scores_take_the_exact_exponent():
   """Scores beyond the fused exponent's range (q = k = 6e4: |s| ~ 6e10 in
   base 2) run the exact exponent: a finite output, where the fused one
-  gave NaN on every row; ordinary scores keep the fused (faster) one."""
+  gave NaN on every row.  The bound picks for the methods that have one
+  (ordinary scores keep the fused, faster exponent); ``fp32`` runs the
+  exact one always."""
   from jaxattn.backends import mosaic as mosaic_backend
   pick = lambda bound: int(mosaic_backend._exact_when_needed(
       lambda exact_exponent: jnp.int32(exact_exponent), jnp.float32(bound)))

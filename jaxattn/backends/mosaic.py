@@ -100,9 +100,10 @@ def _out_dtype(dtype):
 def _exact_when_needed(kernel, score_bound):
   """``kernel(exact_exponent=...)`` with the fused exponent where every
   score is within :data:`pallas_kernels.mosaic.FUSED_EXPONENT_LIMIT` (a
-  bound on ``|s * c|`` in base 2, from the inputs' largest row norms or
-  the quantized operands' scales), else the exact one: huge scores never
-  overflow P, and ordinary ones keep the faster kernel."""
+  bound on ``|s * c|`` in base 2, from the inputs' largest row norms
+  (``fp16_fp32``, PASA) or the quantized operands' scales), else the exact
+  one: huge scores never overflow P, and ordinary ones keep the faster
+  kernel."""
   return lax.cond(score_bound <= mosaic.FUSED_EXPONENT_LIMIT,
                   functools.partial(kernel, exact_exponent=False),
                   functools.partial(kernel, exact_exponent=True))
@@ -119,14 +120,23 @@ def _score_bound(q_norm, k_norm, exp_factor):
 
 def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           return_lse=False, index_mask=None, f16_scores=False):
+  """The exact exponent always: a bound on the scores would read Q and K
+  for their row norms, which costs more than the exact form's one
+  instruction per score (``benchmarks/exponent_switch.py``).  With
+  ``f16_scores`` (``fp16_fp32``) the bound still picks, as for PASA's
+  running form, which is that method op for op where no key block is
+  shifted and takes the same path."""
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
-  return _exact_when_needed(functools.partial(
+  kernel = functools.partial(
       mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
       f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
-      index_mask=index_mask), _score_bound(base.max_row_norm(q),
-                                           base.max_row_norm(k), scale))
+      index_mask=index_mask)
+  if not f16_scores:
+    return kernel(exact_exponent=True)
+  return _exact_when_needed(kernel, _score_bound(
+      base.max_row_norm(q), base.max_row_norm(k), scale))
 
 
 def _fp16_fp32(q, k, v, bias, mask, kv_lens, **kwargs):
