@@ -34,6 +34,10 @@ NAME = "mosaic"
 TITLE = "Mosaic GPU"
 BLOCK_KS = (64, 128)
 TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
+# fp32 picks its exponent by a bound on the scores (which reads Q and K for
+# their row norms) instead of taking the exact one always.  Off: the read
+# costs more than the exact form (``benchmarks/exponent_switch.py``).
+FP32_SCORE_BOUND = False
 
 
 def native() -> bool:
@@ -133,7 +137,7 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       pv="fp16", is_causal=is_causal, scale=scale, params=params,
       f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
       index_mask=index_mask)
-  if not f16_scores:
+  if not (f16_scores or FP32_SCORE_BOUND):
     return kernel(exact_exponent=True)
   return _exact_when_needed(kernel, _score_bound(
       base.max_row_norm(q), base.max_row_norm(k), scale))
