@@ -40,7 +40,7 @@ for name, args in (("causal", (lens, None)), ("packed", (lens, segs))):
   compiled = jax.jit(operands).lower(*args).compile()
   hlo = compiled.as_text()
   entry = hlo[hlo.index("ENTRY"):]
-  ops = re.findall(r"= \S+ (fusion|sort|custom-call|copy|gather|scatter|"
+  ops = re.findall(r"= .*? (fusion|sort|custom-call|copy|gather|scatter|"
                    r"reduce|concatenate|transpose)\(", entry)
   ms = time_call(compiled, args, iters=50) * 1e3
   print(f"{name}: {ms * 1e3:.1f} us per call, {len(ops)} kernels "

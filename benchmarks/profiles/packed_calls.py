@@ -4,11 +4,21 @@ fp32 Mosaic kernel on 2x32x8192x128 float16, causal, unmasked and packed
 the packed tiles launched longest first and in the natural order; and the
 packed fp8 call.  One launch of each, after its compile::
 
-    ncu --clock-control none --section SpeedOfLight \\
-        --section MemoryWorkloadAnalysis --section WarpStateStats \\
+    ncu --clock-control none -k regex:"mosaic|anonymous" \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis \\
+        --section WarpStateStats --section LaunchStats --metrics "$M" \\
         python benchmarks/profiles/packed_calls.py
 
-(the attention kernels are the launches with 384 threads per block).
+with ``M`` these metrics joined by commas: ``sm__cycles_active.avg``,
+``sm__cycles_elapsed.avg``, ``dram__bytes_read.sum``,
+``lts__t_sector_hit_rate.pct``,
+``smsp__average_warps_issue_stalled_{long_scoreboard,barrier,wait}_per_issue_active.ratio``
+(three metrics) and ``smsp__issue_active.avg.pct_of_peak_sustained_active``
+
+(the Mosaic kernels are named ``anonymous_mosaic_gpu_kernel``; without
+the filter ncu profiles every XLA kernel of the setup too, for minutes).
+The record ``results/2026-11-26_h100_packed_ncu.log`` profiled fp32 with
+the fused exponent (before ``b885042``; the metric list is the one above).
 """
 import sys
 
