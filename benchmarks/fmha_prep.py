@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, base, fmha, nonfinite, operands
-from jaxattn.tuning import benchmark_args, random_btnh, record_against_cudnn
+from jaxattn.tuning import (benchmark_args, nonfinite_inputs, random_btnh,
+                            record_against_cudnn)
 from pallas_kernels import mosaic
 
 
@@ -53,7 +54,7 @@ def main(out_path, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
   lens = jnp.full((b,), s, jnp.int32)
-  bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
+  bad = nonfinite_inputs(q, k, v)
   cfg = api.config_for("fmha_int8", "mosaic")
   kw = dict(scale=d ** -0.5, config=cfg, block_k=cfg.block_k)
   calls, checks = {}, {}

@@ -18,7 +18,7 @@ import numpy as np
 sys.path.insert(0, ".")
 from jaxattn import api, operands  # noqa: E402
 from jaxattn.tuning import (alternating_rounds, benchmark_args,  # noqa: E402
-                            random_btnh, write_record)
+                            nonfinite_inputs, random_btnh, write_record)
 
 FUSED = operands.fused_qk
 
@@ -40,8 +40,7 @@ def main():
     fn = jax.jit(lambda q, k, v, lens: operands.quantized_operands(
         "fp8", q, k, v, lens, scale=d ** -0.5, config=cfg))
     calls[name] = fn.lower(q, k, v, lens).compile()
-    bad_q, bad_k = q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(
-        jnp.inf)
+    bad_q, bad_k, _ = nonfinite_inputs(q, k, v)
     outs[name] = jax.tree.map(np.asarray, calls[name](bad_q, bad_k, v, lens))
   operands.fused_qk = FUSED
   same = {f: bool(np.array_equal(np.asarray(getattr(outs["xla"], f)).astype(

@@ -32,21 +32,11 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import jaxattn  # noqa: E402
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.tuning import packed_segments, time_call  # noqa: E402
 from pallas_kernels import common  # noqa: E402
 
 TILE = 128
 METHODS = ("fp32", "fp16_fp32", "pasa", "sage", "int8", "fp8")
-
-
-def packed_segments(rng, b, s, docs):
-  """int32 ``[b, s]``: ``docs`` documents of random lengths per row."""
-  rows = []
-  for _ in range(b):
-    cuts = np.sort(rng.choice(np.arange(1, s), docs - 1, replace=False))
-    lengths = np.diff(np.concatenate([[0], cuts, [s]]))
-    rows.append(np.repeat(np.arange(docs), lengths))
-  return jnp.asarray(np.stack(rows), jnp.int32)
 
 
 def visible_tile_flops(b, n, t, s, d, *, is_causal, index_mask=None):

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jaxattn import nonfinite
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
-                            random_btnh, record_against_cudnn)
+                            nonfinite_inputs, random_btnh,
+                            record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [(m, m, {}) for m in ("sage", "fp8", "int8", "pasa")]
@@ -35,7 +36,7 @@ def after_kernel(*args, nan_rows=None, **kwargs):
 
 def main(out_path, causal, shape):
   q, k, v = random_btnh(shape)
-  bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
+  bad = nonfinite_inputs(q, k, v)
   calls, checks = api_calls_per_setting(
       mosaic, "mosaic_attention",
       (("after", after_kernel), ("in_kernel", IN_KERNEL)), METHODS,

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 
 from jaxattn import api, data, fmha, operands
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
-                            random_btnh, record_against_cudnn)
+                            nonfinite_inputs, random_btnh,
+                            record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [("int8", "int8", {}), ("fmha_int8", "fmha_int8", {}),
@@ -28,7 +29,7 @@ SETTINGS = (("cvt", False), ("add", True))
 def main(out_path, causal, shape):
   b, s, h, d = shape
   q, k, v = random_btnh(shape)
-  bad = (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)
+  bad = nonfinite_inputs(q, k, v)
   inputs = [(q, k, v), data.channel_outlier(jax.random.key(1), shape), bad]
   calls, checks = api_calls_per_setting(
       mosaic, "ROUND_P_BY_ADD", SETTINGS, METHODS, inputs, causal=causal,

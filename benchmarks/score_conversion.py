@@ -13,11 +13,11 @@ and with a NaN in one query row and an Inf in one key.
 """
 
 import jax
-import jax.numpy as jnp
 
 from jaxattn import data
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
-                            random_btnh, record_against_cudnn)
+                            nonfinite_inputs, random_btnh,
+                            record_against_cudnn)
 from pallas_kernels import mosaic
 
 METHODS = [("sage", "sage", {}), ("int8", "int8", {}),
@@ -29,7 +29,7 @@ SETTINGS = (("cvt", False), ("add", True))
 def main(out_path, causal, shape):
   q, k, v = random_btnh(shape)
   inputs = [(q, k, v), data.channel_outlier(jax.random.key(1), shape),
-            (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
+            nonfinite_inputs(q, k, v)]
   calls, checks = api_calls_per_setting(
       mosaic, "INT_SCORES_BY_ADD", SETTINGS, METHODS, inputs, causal=causal,
       log=lambda m: print(m, flush=True))

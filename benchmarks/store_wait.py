@@ -17,11 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxattn
-from jaxattn.tuning import time_call
+from jaxattn.tuning import packed_segments, time_call
 from pallas_kernels import mosaic
-
-sys.path.insert(0, "benchmarks")
-from index_mask import packed_segments  # noqa: E402
 
 
 def main(out_path):

@@ -29,19 +29,16 @@ on ordinary inputs and with a NaN in one query row and an Inf in one key.
 
 import functools
 import itertools
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
-                            random_btnh, record_against_cudnn)
+                            nonfinite_inputs, packed_segments, random_btnh,
+                            record_against_cudnn)
 from pallas_kernels import common, mosaic
 
-sys.path.insert(0, "benchmarks")
-from index_mask import packed_segments  # noqa: E402
 
 SWITCHES = {
     "loads": ("EARLY_BLOCK_LOADS", (("late", False), ("early", True))),
@@ -95,7 +92,7 @@ def main(out_path, part, causal, shape):
     return packed_kernels(out_path, shape)
   q, k, v = random_btnh(shape)
   inputs = [(q, k, v),
-            (q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v)]
+            nonfinite_inputs(q, k, v)]
   segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
   attr, settings = SWITCHES[part]
   calls, checks = api_calls_per_setting(

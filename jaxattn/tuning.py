@@ -70,6 +70,23 @@ def random_btnh(shape, n: int = 3, dtype=jnp.float16):
                for x in keys)
 
 
+def nonfinite_inputs(q, k, v):
+  """``(q, k, v)`` with a NaN in one query row and an Inf in one key (the
+  A/B scripts' check that NaN/Inf rows come out the same bits)."""
+  return q.at[0, 5, 3, 7].set(jnp.nan), k.at[1, 9, 2, 0].set(jnp.inf), v
+
+
+def packed_segments(rng, b, s, docs):
+  """int32 ``[b, s]``: ``docs`` documents of random lengths per row (a numpy
+  ``rng``), the packed workload of ``benchmarks/index_mask.py``."""
+  rows = []
+  for _ in range(b):
+    cuts = np.sort(rng.choice(np.arange(1, s), docs - 1, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [s]]))
+    rows.append(np.repeat(np.arange(docs), lengths))
+  return jnp.asarray(np.stack(rows), jnp.int32)
+
+
 def cudnn_reference(q, k, v, causal: bool):
   """``(fn, args)``: cuDNN bfloat16 attention on ``q, k, v`` (XLA's off a
   GPU), the reference the ratios divide."""

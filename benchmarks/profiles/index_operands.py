@@ -10,17 +10,13 @@ as the benchmarks time the attention calls) and the kernels XLA launches
 for it (the fusions, sorts and other ops of the optimized HLO's entry).
 """
 import re
-import sys
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxattn.tuning import time_call
+from jaxattn.tuning import packed_segments, time_call
 from pallas_kernels import common, mosaic
 
-sys.path.insert(0, "benchmarks")
-from index_mask import packed_segments  # noqa: E402
 
 b, t, bq, bk = 2, 8192, 64, 128
 segs = packed_segments(np.random.default_rng(0), b, t, 8)

@@ -20,18 +20,13 @@ the filter ncu profiles every XLA kernel of the setup too, for minutes).
 The record ``results/2026-11-26_h100_packed_ncu.log`` profiled fp32 with
 the fused exponent (before ``b885042``; the metric list is the one above).
 """
-import sys
-
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api
-from jaxattn.tuning import random_btnh
+from jaxattn.tuning import packed_segments, random_btnh
 from pallas_kernels import mosaic
 
-sys.path.insert(0, "benchmarks")
-from index_mask import packed_segments  # noqa: E402
 
 shape = (2, 8192, 32, 128)
 q, k, v = random_btnh(shape)
