@@ -125,16 +125,6 @@ ROUND_P_BY_ADD = True
 # on that same unit.  Off: one more instruction per score, which measured
 # 1-4% slower end to end (``benchmarks/score_conversion.py``, docs/design.md).
 INT_SCORES_BY_ADD = False
-# fp8 P's exponent on float16 pairs (:func:`_exp2_f16x2`): one
-# ``ex2.approx.f16x2`` per two scores instead of one ``ex2`` per score, on
-# the quarter-rate unit that the softmax's time is spent waiting on.  Off
-# by default: it changes P (float16 arguments and results) away from the
-# references.  ``benchmarks/exp2_f16x2.py`` times it.
-EXP2_F16X2 = False
-# The row max of a block's scores as a tree over column halves (depth
-# log2 of the columns) rather than the reduction's two running chains per
-# row (16 dependent maxes each at 128 keys).  Same bits either way.
-ROW_MAX_TREE = False
 # The per-key-block values read from global memory (the FMHA's V column
 # sums, a V scale per block, PASA's block weight, a masked step's key
 # segment ids) loaded at the start of the step, so that their latency
@@ -307,57 +297,6 @@ def _int_to_float_by_add(s):
   return y - magic
 
 
-def _row_max(s, *, tree):
-  """The row max of ``s`` ``[bq, bk]`` (WGMMA layout); with ``tree`` the
-  column halves are maxed elementwise down to 16 columns first, so that
-  the dependent chain is short."""
-  if tree:
-    while s.shape[1] > 16:
-      half = s.shape[1] // 2
-      s = jnp.maximum(s[:, :half], s[:, half:])
-  return s.max(axis=1)
-
-
-def _exp2_f16x2(x, *, by_ptx):
-  """``exp2(x)`` of a float32 WGMMA-layout array on float16 pairs: each
-  register's two values rounded to float16, one ``ex2.approx.f16x2``, and
-  the float16 results back to float32 (``x <= 15``, as the softmax's
-  arguments are: no float16 overflow).  Without ``by_ptx`` (Mosaic GPU's
-  interpreter, which runs no inline PTX) the same roundings around
-  float32's exp2."""
-  f16, f32 = jnp.float16, jnp.float32
-  if not by_ptx:
-    return jnp.exp2(x.astype(f16).astype(f32)).astype(f16).astype(f32)
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm, vector
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,),
-      return_type=plgpu.ShapeDtypeStruct(x.shape, f32, plgpu.Layout.WGMMA))
-  def exp2(ctx, x):
-    del ctx
-    elt = ir.F32Type.get()
-    assert x.layout.vector_length == 2
-    regs = np.empty(x.registers.shape, dtype=object)
-    for idx, reg in np.ndenumerate(x.registers):
-      struct = llvm.inline_asm(
-          llvm.StructType.get_literal([elt, elt]),
-          [vector.extract(reg, [], [i]) for i in (0, 1)],
-          "{ .reg .b32 h; .reg .f16 lo, hi;\n\t"
-          "cvt.rn.f16x2.f32 h, $3, $2;\n\t"
-          "ex2.approx.f16x2 h, h;\n\t"
-          "mov.b32 {lo, hi}, h;\n\t"
-          "cvt.f32.f16 $0, lo;\n\t"
-          "cvt.f32.f16 $1, hi; }",
-          "=f,=f,f,f")
-      regs[idx] = vector.from_elements(
-          ir.VectorType.get((2,), elt),
-          [llvm.extractvalue(elt, struct, [i]) for i in (0, 1)])
-    return mgpu.FragmentedArray(_registers=regs, _layout=x.layout,
-                                _is_signed=None)
-  return exp2(x)
-
-
 def _smem(shape, dtype):
   """A swizzled shared-memory tile ``shape`` whose minor dim is the wgmma
   contraction dim (or the N dim of a 16-bit B)."""
@@ -514,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
             early_block_loads,
-            int_scores_by_add, exp2_f16x2, row_max_tree, on_gpu):
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 14]``, one row per query tile, read by every head's CTA
@@ -743,7 +682,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           # is off by up to half an ulp of m again, and at |m| ~ 1e9 P
           # overflows (full INT8 at q = k = 6e4 came out 94% wrong).
           s = lax.optimization_barrier(s)
-          m_new = jnp.maximum(m_i, moved(_row_max(s, tree=row_max_tree)))
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1)))
           m_ref = finite(m_new)
           e = s - lax.broadcast_in_dim(unmoved(m_ref), s.shape, [0])
           if not isinstance(c, float):   # a row of factors
@@ -754,12 +693,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             e = e * c
           else:
             alpha = jnp.exp2(m_i - m_ref)
-          p = (_exp2_f16x2(e + LOG2_FP8_MAX, by_ptx=on_gpu)
-               if pv == "fp8" and exp2_f16x2 else
-               jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e))
+          p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
         else:
-          m_new = jnp.maximum(m_i,
-                              moved(_row_max(s, tree=row_max_tree) * c))
+          m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
           m_ref = finite(m_new)
           alpha = jnp.exp2(m_i - m_ref)
           # fp8: P * 448 = exp2(s - (m - log2 448)) (l counts 1/448ths)
@@ -770,9 +706,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             s = s * lax.broadcast_in_dim(c, s.shape, [0])
           elif c != 1.0:
             s = s * c
-          x = s - lax.broadcast_in_dim(m_exp, s.shape, [0])
-          p = (_exp2_f16x2(x, by_ptx=on_gpu) if pv == "fp8" and exp2_f16x2
-               else jnp.exp2(x))
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
         elif pv == "int8":  # floor(127 p + 1/2)
@@ -1230,8 +1164,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
-      exp2_f16x2=EXP2_F16X2, row_max_tree=ROW_MAX_TREE,
-      on_gpu=interp is None,
       early_block_loads=EARLY_BLOCK_LOADS)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:

@@ -33,9 +33,6 @@ from pallas_kernels import common, mosaic
 NAME = "mosaic"
 TITLE = "Mosaic GPU"
 BLOCK_KS = (64, 128)
-# 256-key blocks fit the shared-memory ring only with 8-bit K and V (two
-# slots of 32 KB each); 16-bit ones would take 256 KB.
-BLOCK_KS_8BIT_PV = (64, 128, 256)
 TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
 # fp32 picks its exponent by a bound on the scores (which reads Q and K for
 # their row norms) instead of taking the exact one always.  Off: the read
@@ -61,14 +58,10 @@ def _check_common(call: Call) -> None:
                  "Triton kernel knobs; the Mosaic kernel's tiles are fixed "
                  "(use implementation='triton')")
   block_k = getattr(call.config, "block_k", None)
-  eight_bit_pv = getattr(call.config, "pv_dtype", "fp8") != "fp16" and (
-      call.method in ("sage", "int8", "fp8", "fmha_int8"))
-  allowed = BLOCK_KS_8BIT_PV if eight_bit_pv else BLOCK_KS
-  if block_k is not None and block_k not in allowed:
+  if block_k is not None and block_k not in BLOCK_KS:
     raise NotImplementedError(
         f"block_k={block_k}: the Mosaic kernel takes blocks of "
-        f"{', '.join(map(str, allowed))} keys"
-        + ("" if eight_bit_pv else " with 16-bit V (256 with 8-bit V)"))
+        f"{' or '.join(map(str, BLOCK_KS))} keys")
 
 
 def _check_fp32(call: Call) -> None:
