@@ -2,8 +2,7 @@
 H100, in one process against cuDNN bfloat16.
 
   python benchmarks/tile_schedule.py OUT.json
-      --part loads|schedule|deferred_o|packed_kernels [--causal]
-      [--shape B,S,N,D]
+      --part loads|schedule|packed_kernels [--causal] [--shape B,S,N,D]
 
 (``packed_kernels`` is always causal.)
 
@@ -15,10 +14,6 @@ used (``pallas_kernels.mosaic.EARLY_BLOCK_LOADS``).
 ``schedule``: the CTAs launched in the grid's natural order or longest
 first, with the heads or the query tiles as the grid's faster axis
 (``HEAVIEST_FIRST``, ``GRID_HEADS_INNER``).
-
-``deferred_o``: block j's ``O * alpha + P V`` done in step j or in step
-j + 1 under the QK wgmma (``DEFER_O_UPDATE``; 8-bit PV without per-block
-V values: fp8, sage2-8b, full INT8).
 
 ``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
 prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
@@ -50,15 +45,12 @@ SWITCHES = {
     "schedule": (("HEAVIEST_FIRST", "GRID_HEADS_INNER"),
                  (("natural", (False, True)), ("heaviest", (True, True)),
                   ("heaviest_tiles_inner", (True, False)))),
-    "deferred_o": ("DEFER_O_UPDATE", (("in_step", False), ("deferred", True))),
 }
 
 
 def methods(part, causal, segs):
   packed = [(f"packed_{m}", m, {"q_segment_ids": segs})
             for m in ("sage", "fp8")] if causal else []
-  if part == "deferred_o":
-    return [(m, m, {}) for m in ("fp8", "sage", "int8")] + packed
   if part == "loads":
     return [("fmha_int8", "fmha_int8", {}),
             ("int8_vblock", "int8", {"v_granularity": "block"}),

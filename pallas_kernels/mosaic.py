@@ -140,12 +140,6 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
-# Where the PV product is a per-block accumulator added into O (8-bit PV
-# without per-block V values), block j's ``O * alpha + P V`` is done in
-# step j + 1 between the QK wgmma's issue and its wait, so that it overlaps
-# the tensor cores' QK instead of delaying its issue.  Same bits.
-# ``benchmarks/tile_schedule.py --part deferred_o`` times it.
-DEFER_O_UPDATE = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
             early_block_loads,
-            int_scores_by_add, defer_o_update):
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 14]``, one row per query tile, read by every head's CTA
@@ -755,14 +749,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
 
-      def update_o(acc, pending):
-        """The deferred ``O * alpha + P V`` of the previous block."""
-        pv_prev, alpha_prev = pending
-        return (acc * lax.broadcast_in_dim(alpha_prev, acc.shape, [0])
-                + pv_prev.astype(f32))
-
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
-        acc, m_i, l_i, pasa_state, pending = carry
+        acc, m_i, l_i, pasa_state = carry
         slot = slot_of(j)
         # (issued before the QK wait, so that the load's latency hides)
         k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
@@ -772,17 +760,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
           schedule_barrier()
           return acc_ref[...]
-        if defer_o_update:   # the last block's O update under this QK
-          def qk_scope_with_o(acc_ref):
-            if "qk" in fresh_accumulators:
-              acc_ref[...] = _fresh_accumulator((bq, bk), acc_type)
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
-            new_acc = update_o(acc, pending)
-            schedule_barrier()
-            return acc_ref[...], new_acc
-          s, acc = pl.run_scoped(qk_scope_with_o,
-                                 plgpu.ACC((bq, bk), acc_type))
-        elif "qk" in fresh_accumulators:
+        if "qk" in fresh_accumulators:
           def qk_state(acc_ref):
             plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
             schedule_barrier()
@@ -838,14 +816,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           else:
             pv_blk = pl.run_scoped(pv_scope,
                                    plgpu.ACC((bq, head_dim), pv_type))
-          if defer_o_update:
-            pending = (pv_blk, alpha)
-          else:
-            acc, m_new, l_new, pasa_state = add_block(
-                (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
-                block_rows)
+          acc, m_new, l_new, pasa_state = add_block(
+              (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
+              block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_new, pasa_state, pending
+        return acc, m_new, l_new, pasa_state
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
         slot = slot_of(j)
@@ -870,18 +845,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
       masked_step = functools.partial(kv_step, masked=True)
-      # (with defer_o_update, the O update a step owes the next: none yet)
-      pending = ((plgpu.layout_cast(jnp.full((bq, head_dim), 0, pv_type),
-                                    plgpu.Layout.WGMMA), row(1.0))
-                 if defer_o_update else ())
       carry = lax.fori_loop(lo, full_lo, masked_step,
-                            (acc, m_i, l_i, pasa_state, pending))
+                            (acc, m_i, l_i, pasa_state))
       carry = lax.fori_loop(full_lo, full_hi,
                             functools.partial(kv_step, masked=False), carry)
-      acc, m_i, l_i, _, pending = lax.fori_loop(full_hi, hi, masked_step,
-                                                carry)
-      if defer_o_update:
-        acc = update_o(acc, pending)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
       lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
@@ -1196,8 +1164,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
-      defer_o_update=(DEFER_O_UPDATE and pv in ("fp8", "int8")
-                      and v_block_scale is None),
       early_block_loads=EARLY_BLOCK_LOADS)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
