@@ -2,8 +2,7 @@
 H100, in one process against cuDNN bfloat16.
 
   python benchmarks/tile_schedule.py OUT.json
-      --part loads|schedule|poly_exp2|packed_kernels [--causal]
-      [--shape B,S,N,D]
+      --part loads|schedule|packed_kernels [--causal] [--shape B,S,N,D]
 
 (``packed_kernels`` is always causal.)
 
@@ -15,11 +14,6 @@ used (``pallas_kernels.mosaic.EARLY_BLOCK_LOADS``).
 ``schedule``: the CTAs launched in the grid's natural order or longest
 first, with the heads or the query tiles as the grid's faster axis
 (``HEAVIEST_FIRST``, ``GRID_HEADS_INNER``).
-
-``poly_exp2``: 8-bit P's exp2 all on the MUFU, or one column group in
-8 or in 4 by a polynomial on the FMA units (``POLY_EXP2_EVERY``; fp8,
-sage2-8b, full INT8).  P moves by the polynomial's error, so the checks'
-"same bits" are expected false; their largest difference is recorded.
 
 ``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
 prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
@@ -51,16 +45,12 @@ SWITCHES = {
     "schedule": (("HEAVIEST_FIRST", "GRID_HEADS_INNER"),
                  (("natural", (False, True)), ("heaviest", (True, True)),
                   ("heaviest_tiles_inner", (True, False)))),
-    "poly_exp2": ("POLY_EXP2_EVERY", (("mufu", 0), ("poly_1_in_8", 8),
-                                       ("poly_1_in_4", 4))),
 }
 
 
 def methods(part, causal, segs):
   packed = [(f"packed_{m}", m, {"q_segment_ids": segs})
             for m in ("sage", "fp8")] if causal else []
-  if part == "poly_exp2":
-    return [(m, m, {}) for m in ("fp8", "sage", "int8")] + packed
   if part == "loads":
     return [("fmha_int8", "fmha_int8", {}),
             ("int8_vblock", "int8", {"v_granularity": "block"}),

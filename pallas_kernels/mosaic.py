@@ -140,16 +140,6 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
-# 8-bit P's exp2 for one column group of 8 in every ``POLY_EXP2_EVERY`` on
-# the FMA units (:func:`_exp2_split`, FlashAttention-4's split), the rest
-# on the 16/clk/SM MUFU, whose waits hold a third of a consumer's step
-# (docs/design.md).  0: all on the MUFU.  ``benchmarks/tile_schedule.py
-# --part poly_exp2`` times it.
-POLY_EXP2_EVERY = 0
-# 2^f on [-1/2, 1/2] with the constant term 1 (relative error 2.9e-6):
-# near-minimax, from Lawson-weighted least squares on Chebyshev nodes.
-POLY_EXP2_COEFFS = (0.6931241750717163, 0.24024099111557007,
-                    0.055906426161527634, 0.009582852944731712)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -305,75 +295,6 @@ def _int_to_float_by_add(s):
   y = lax.bitcast_convert_type(s + jnp.int32(magic.view(np.int32)),
                                jnp.float32)
   return y - magic
-
-
-def _exp2_poly(x):
-  """``exp2(x)`` of float32 ``x`` by FMAs: ``x`` clamped at -127 (where
-  the result is exactly 0, so -inf gives 0), ``j = rint(x)`` by adding and
-  subtracting ``1.5 * 2^23``, the polynomial :data:`POLY_EXP2_COEFFS` at
-  ``x - j``, and ``j`` added to its exponent bits (the low bits of the
-  first sum, shifted by 23)."""
-  f32, i32 = jnp.float32, jnp.int32
-  magic = np.float32(1.5 * 2.0 ** 23)
-  x = jnp.maximum(x, np.float32(-127.0))
-  t = x + magic
-  frac = x - (t - magic)
-  c1, c2, c3, c4 = (np.float32(c) for c in POLY_EXP2_COEFFS)
-  p = (((c4 * frac + c3) * frac + c2) * frac + c1) * frac + np.float32(1.0)
-  return lax.bitcast_convert_type(
-      lax.bitcast_convert_type(p, i32)
-      + lax.shift_left(lax.bitcast_convert_type(t, i32), i32(23)), f32)
-
-
-def _exp2_split(x, every, *, by_ptx):
-  """``exp2(x)`` of a float32 ``[bq, bk]`` WGMMA-layout array with the
-  column groups ``g`` (8 columns each) where ``g % every == every - 1`` by
-  :func:`_exp2_poly` on the FMA units and the others by ``ex2`` on the
-  MUFU.  Without ``by_ptx`` (Mosaic GPU's interpreter, no inline PTX) the
-  same split by a column mask."""
-  f32 = jnp.float32
-  if not by_ptx:
-    cols = plgpu.broadcasted_iota(jnp.int32, x.shape, 1,
-                                  layout=plgpu.Layout.WGMMA)
-    return jnp.where(lax.rem(cols // 8, jnp.int32(every)) == every - 1,
-                     _exp2_poly(x), jnp.exp2(x))
-  from jax._src.lib.mlir import ir
-  from jax._src.lib.mlir.dialects import llvm, vector
-
-  hexf = lambda v: f"0f{np.float32(v).view(np.uint32):08X}"
-  c1, c2, c3, c4 = (hexf(c) for c in POLY_EXP2_COEFFS)
-  poly = (
-      "{ .reg .f32 x, t, j, f, p; .reg .b32 tb, pb;\n\t"
-      f"max.f32 x, $1, {hexf(-127.0)};\n\t"
-      f"add.rn.f32 t, x, {hexf(1.5 * 2.0 ** 23)};\n\t"
-      f"sub.rn.f32 j, t, {hexf(1.5 * 2.0 ** 23)};\n\t"
-      "sub.rn.f32 f, x, j;\n\t"
-      f"fma.rn.f32 p, f, {c4}, {c3};\n\t"
-      f"fma.rn.f32 p, p, f, {c2};\n\t"
-      f"fma.rn.f32 p, p, f, {c1};\n\t"
-      f"fma.rn.f32 p, p, f, {hexf(1.0)};\n\t"
-      "mov.b32 tb, t;\n\tshl.b32 tb, tb, 23;\n\t"
-      "mov.b32 pb, p;\n\tadd.s32 pb, pb, tb;\n\t"
-      "mov.b32 $0, pb; }")
-
-  @plgpu.inline_mgpu(
-      arg_types=(plgpu.Layout.WGMMA,),
-      return_type=plgpu.ShapeDtypeStruct(x.shape, f32, plgpu.Layout.WGMMA))
-  def exp2(ctx, x):
-    del ctx
-    elt = ir.F32Type.get()
-    regs = np.empty(x.registers.shape, dtype=object)
-    vec_len = x.layout.vector_length
-    for idx, reg in np.ndenumerate(x.registers):
-      asm = (poly if idx[1] % every == every - 1
-             else "ex2.approx.ftz.f32 $0, $1;")
-      regs[idx] = vector.from_elements(
-          ir.VectorType.get((vec_len,), elt),
-          [llvm.inline_asm(elt, [vector.extract(reg, [], [i])], asm,
-                           "=f,f") for i in range(vec_len)])
-    return mgpu.FragmentedArray(_registers=regs, _layout=x.layout,
-                                _is_signed=None)
-  return exp2(x)
 
 
 def _smem(shape, dtype):
@@ -532,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
             early_block_loads,
-            int_scores_by_add, poly_exp2_every, on_gpu):
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 14]``, one row per query tile, read by every head's CTA
@@ -772,9 +693,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             e = e * c
           else:
             alpha = jnp.exp2(m_i - m_ref)
-          e = e + LOG2_FP8_MAX if pv == "fp8" else e
-          p = (_exp2_split(e, poly_exp2_every, by_ptx=on_gpu)
-               if poly_exp2_every else jnp.exp2(e))
+          p = jnp.exp2(e + LOG2_FP8_MAX if pv == "fp8" else e)
         else:
           m_new = jnp.maximum(m_i, moved(s.max(axis=1) * c))
           m_ref = finite(m_new)
@@ -787,9 +706,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             s = s * lax.broadcast_in_dim(c, s.shape, [0])
           elif c != 1.0:
             s = s * c
-          x = s - lax.broadcast_in_dim(m_exp, s.shape, [0])
-          p = (_exp2_split(x, poly_exp2_every, by_ptx=on_gpu)
-               if poly_exp2_every else jnp.exp2(x))
+          p = jnp.exp2(s - lax.broadcast_in_dim(m_exp, s.shape, [0]))
         if pv == "fp8":
           p_op = p.astype(jnp.float8_e4m3fn)
         elif pv == "int8":  # floor(127 p + 1/2)
@@ -1247,8 +1164,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
-      poly_exp2_every=POLY_EXP2_EVERY if pv in ("fp8", "int8") else 0,
-      on_gpu=interp is None,
       early_block_loads=EARLY_BLOCK_LOADS)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
