@@ -2,8 +2,7 @@
 H100, in one process against cuDNN bfloat16.
 
   python benchmarks/tile_schedule.py OUT.json
-      --part loads|schedule|static_slots|packed_kernels [--causal]
-      [--shape B,S,N,D]
+      --part loads|schedule|packed_kernels [--causal] [--shape B,S,N,D]
 
 (``packed_kernels`` is always causal.)
 
@@ -15,10 +14,6 @@ used (``pallas_kernels.mosaic.EARLY_BLOCK_LOADS``).
 ``schedule``: the CTAs launched in the grid's natural order or longest
 first, with the heads or the query tiles as the grid's faster axis
 (``HEAVIEST_FIRST``, ``GRID_HEADS_INNER``).
-
-``static_slots``: the unmasked key blocks one at a time with the ring
-slot computed every step, or in pairs with static slots
-(``STATIC_RING_SLOTS``).
 
 ``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
 prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
@@ -50,16 +45,12 @@ SWITCHES = {
     "schedule": (("HEAVIEST_FIRST", "GRID_HEADS_INNER"),
                  (("natural", (False, True)), ("heaviest", (True, True)),
                   ("heaviest_tiles_inner", (True, False)))),
-    "static_slots": ("STATIC_RING_SLOTS", (("computed", False),
-                                           ("static", True))),
 }
 
 
 def methods(part, causal, segs):
   packed = [(f"packed_{m}", m, {"q_segment_ids": segs})
             for m in ("sage", "fp8")] if causal else []
-  if part == "static_slots":
-    return [(m, m, {}) for m in ("fp32", "fp8", "sage", "int8")] + packed
   if part == "loads":
     return [("fmha_int8", "fmha_int8", {}),
             ("int8_vblock", "int8", {"v_granularity": "block"}),

@@ -140,12 +140,6 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
-# The unmasked key blocks in pairs whose ring slots (0 and 1) are static,
-# so that the wgmma descriptors and barrier addresses of each step are
-# constants rather than computed from a dynamic slot every step (two
-# ring slots only).  ``benchmarks/tile_schedule.py --part static_slots``
-# times it.
-STATIC_RING_SLOTS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -459,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
             early_block_loads,
-            int_scores_by_add, static_ring_slots):
+            int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 14]``, one row per query tile, read by every head's CTA
@@ -586,11 +580,12 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           return {name: (lambda x=f(): x) for name, f in thunks.items()}
         return thunks
 
-      def scores(s, j, masked, loads, k_scale=None, slot=None):
+      def scores(s, j, masked, loads, k_scale=None):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
         the exponent's factor and the visibility mask; frees K's slot.
         ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
-        scale (``k_scale_per_block``); ``slot``: block j's ring slot."""
+        scale (``k_scale_per_block``)."""
+        slot = slot_of(j)
         if int_scores_by_add and s.dtype == jnp.int32:
           s = _int_to_float_by_add(s)
         # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
@@ -720,7 +715,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           p_op = p.astype(v_ref.dtype)
         return p_op, (m_new, l_i * alpha + p.sum(axis=1), alpha, None)
 
-      def pv_operands(j, p_op, slot):
+      def pv_operands(j, p_op):
         """P as the PV wgmma's A operand and block j's V slot as B."""
         if p_in_smem:
           p_smem[...] = p_op
@@ -728,7 +723,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           p_op = p_smem
         elif eight_bit_pv:  # V's keys are in KEY_PERMUTATION order
           p_op = _as_8bit_operand(p_op)
-        v_op = v_smem.at[slot]
+        v_op = v_smem.at[slot_of(j)]
         if eight_bit_pv:
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
@@ -754,12 +749,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
 
-      def kv_step(j, carry, masked, slot=None):  # QK, softmax, PV: one block
-        """``slot``: block j's ring slot where it is known statically (a
-        value that folds to a constant), else None (computed from j)."""
+      def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state = carry
-        static_slot = slot
-        slot = slot_of(j) if slot is None else slot
+        slot = slot_of(j)
         # (issued before the QK wait, so that the load's latency hides)
         k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
         loads = block_loads(j, masked)
@@ -778,7 +770,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         if pasa_running:   # Sbar': the float32 product's mean, before masks
           s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-        s, c, visible = scores(s, j, masked, loads, k_block, slot)
+        s, c, visible = scores(s, j, masked, loads, k_block)
         shift = None
         if pasa_running:   # PASA steps 3-4 move the online softmax's max
           seen = (None if visible is None else
@@ -798,13 +790,12 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_bars.at[slot])
         plgpu.barrier_wait(schedule)
-        p_op, v_op = pv_operands(j, p_op, slot)
+        p_op, v_op = pv_operands(j, p_op)
 
         def wait_next_k():
           @pl.when(j + 1 < hi)
           def _():
-            plgpu.barrier_wait(k_bars.at[
-                slot_of(j + 1) if static_slot is None else 1 - static_slot])
+            plgpu.barrier_wait(k_bars.at[slot_of(j + 1)])
 
         if fused_pv:   # accumulate in the tensor cores (16-bit P, on the GPU)
           def pv_state(acc_ref):
@@ -853,31 +844,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       def _():
         plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
-      def unmasked_steps(a, b, carry):
-        """Blocks [a, b) unmasked; with ``static_ring_slots`` one step to
-        reach an even step from tile_lo, pairs of steps in slots 0 and 1,
-        and the one left."""
-        step = functools.partial(kv_step, masked=False)
-        if not static_ring_slots:
-          return lax.fori_loop(a, b, step, carry)
-        a2 = jnp.minimum(a + lax.rem(a - tile_lo, jnp.int32(2)), b)
-        carry = lax.fori_loop(a, a2, step, carry)
-        pairs = lax.div(b - a2, jnp.int32(2))
-
-        # (0 and 1 as traced values that fold to constants: a Python int
-        # closed over by a wgmma scope does not lower)
-        slot0 = wg * 0
-
-        def pair(i, carry):
-          j = a2 + 2 * i
-          return step(j + 1, step(j, carry, slot=slot0), slot=slot0 + 1)
-        carry = lax.fori_loop(0, pairs, pair, carry)
-        return lax.fori_loop(a2 + 2 * pairs, b, step, carry)
-
       masked_step = functools.partial(kv_step, masked=True)
       carry = lax.fori_loop(lo, full_lo, masked_step,
                             (acc, m_i, l_i, pasa_state))
-      carry = unmasked_steps(full_lo, full_hi, carry)
+      carry = lax.fori_loop(full_lo, full_hi,
+                            functools.partial(kv_step, masked=False), carry)
       acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
       lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
@@ -1193,7 +1164,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
-      static_ring_slots=STATIC_RING_SLOTS and params.stages == 2,
       early_block_loads=EARLY_BLOCK_LOADS)
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
