@@ -2,7 +2,8 @@
 H100, in one process against cuDNN bfloat16.
 
   python benchmarks/tile_schedule.py OUT.json
-      --part loads|schedule|packed_kernels [--causal] [--shape B,S,N,D]
+      --part loads|schedule|half_int8_qk|packed_kernels [--causal]
+      [--shape B,S,N,D]
 
 (``packed_kernels`` is always causal.)
 
@@ -14,6 +15,11 @@ used (``pallas_kernels.mosaic.EARLY_BLOCK_LOADS``).
 ``schedule``: the CTAs launched in the grid's natural order or longest
 first, with the heads or the query tiles as the grid's faster axis
 (``HEAVIEST_FIRST``, ``GRID_HEADS_INNER``).
+
+``half_int8_qk``: half-INT8's int8 QK product accumulated into registers
+zeroed next to its wgmma or into a splat of zeros (``FRESH_ACCUMULATORS``
+with or without ``"qk"``; half-INT8 only, the one method whose kernel
+spills with either).
 
 ``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
 prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
@@ -45,12 +51,16 @@ SWITCHES = {
     "schedule": (("HEAVIEST_FIRST", "GRID_HEADS_INNER"),
                  (("natural", (False, True)), ("heaviest", (True, True)),
                   ("heaviest_tiles_inner", (True, False)))),
+    "half_int8_qk": ("FRESH_ACCUMULATORS", (("fresh", ("qk", "pv")),
+                                            ("splat", ("pv",)))),
 }
 
 
 def methods(part, causal, segs):
   packed = [(f"packed_{m}", m, {"q_segment_ids": segs})
             for m in ("sage", "fp8")] if causal else []
+  if part == "half_int8_qk":
+    return [("int8_half", "int8", {"pv_dtype": "fp16"})]
   if part == "loads":
     return [("fmha_int8", "fmha_int8", {}),
             ("int8_vblock", "int8", {"v_granularity": "block"}),
