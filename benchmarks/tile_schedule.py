@@ -35,6 +35,7 @@ on ordinary inputs and with a NaN in one query row and an Inf in one key.
 
 import functools
 import itertools
+
 import jax
 import jax.numpy as jnp
 import numpy as np

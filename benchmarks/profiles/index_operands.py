@@ -10,6 +10,7 @@ as the benchmarks time the attention calls) and the kernels XLA launches
 for it (the fusions, sorts and other ops of the optimized HLO's entry).
 """
 import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
