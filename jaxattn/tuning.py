@@ -12,7 +12,9 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import glob
 import statistics
+import tempfile
 import time
 
 import jax
@@ -44,6 +46,41 @@ def time_call(fn, args, iters=10, reps=5, warmup=2):
     jax.block_until_ready(out)
     times.append((time.perf_counter() - t0) / iters)
   return statistics.median(times)
+
+
+def device_kernels(fn, args, calls: int = 5):
+  """The GPU kernels of ``calls`` back-to-back calls of ``fn(*args)`` (after
+  one warm-up call), from jax's profiler: ``[(name, start_ns, dur_ns)]`` by
+  start.  Device time, where :func:`time_call` also counts the host's
+  dispatch: a call shorter than its dispatch (~0.1 ms) measures the host
+  there, not the kernels."""
+  jax.block_until_ready(fn(*args))
+  trace_dir = tempfile.mkdtemp()
+  with jax.profiler.trace(trace_dir):
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  path = glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)[0]
+  kernels = []
+  for plane in jax.profiler.ProfileData.from_file(path).planes:
+    if plane.name.startswith("/device:GPU"):
+      kernels += [(ev.name, ev.start_ns, ev.duration_ns)
+                  for line in plane.lines if line.name.startswith("Stream")
+                  for ev in line.events]
+  return sorted(kernels, key=lambda e: e[1])
+
+
+def device_ms(fn, args, calls: int = 5):
+  """The median over ``calls`` calls of the GPU time (ms) of the kernels of
+  one call of ``fn(*args)`` (:func:`device_kernels`), or None without a
+  GPU."""
+  kernels = device_kernels(fn, args, calls)
+  if not kernels or len(kernels) % calls:
+    return None
+  per_call = len(kernels) // calls
+  return statistics.median(
+      sum(k[2] for k in kernels[i * per_call:(i + 1) * per_call]) / 1e6
+      for i in range(calls))
 
 
 def benchmark_args(causal: bool = False, parts=None):
