@@ -353,11 +353,9 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
     if not _fits_rows_kernel(config.block_q, config.block_k):
       return None
     q8, q_scale, _, q_bad = rows_operand(
-        q, q_lens, group=config.block_q, dtype=fp8_dtype,
-        block=max(128, config.block_q))
+        q, q_lens, group=config.block_q, dtype=fp8_dtype)
     k8, k_scale, _, k_bad = rows_operand(
-        k, kv_lens, group=config.block_k, dtype=fp8_dtype,
-        block=max(128, config.block_k))
+        k, kv_lens, group=config.block_k, dtype=fp8_dtype)
     return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
                 k_bad=k_bad)
   if method != "sage":
@@ -377,7 +375,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   q8, q_scale, q_mean, q_bad = rows_operand(
       q, q_lens, group=q_group, dtype=jnp.int8, bits=bits,
       shift="tile_mean" if config.smooth_q else None,
-      block=bq if config.smooth_q else max(128, q_group))
+      block=bq if config.smooth_q else None)
   bias_q = None
   if config.smooth_q:                          # q_mean [B, nqb, N, D]
     nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
@@ -385,8 +383,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
   k8, k_scale, bias, k_bad = rows_operand(
       k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
-      shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q,
-      block=max(128, k_group))
+      shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q)
   bias_bound = None
   if bias is not None:                              # [B, N, nqb, S]
     bias = bias.reshape(b, n, -1, s)

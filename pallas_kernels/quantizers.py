@@ -71,9 +71,23 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
   o_ref[...] = y.T.astype(o_ref.dtype)
 
 
+# The passes' tiles, by their GPU time at 2x8192x32x128 float16 on the H100
+# (``benchmarks/quantizer_knobs.py``, ``results/2026-11-27_h100_quantizer_
+# knobs.json``; a float16 -> int8 cast of one tensor takes 0.081 ms there).
+# Q/K: 32 rows per tile took 0.081-0.082 ms for a per-token int8 pass and
+# 0.080-0.081 for fp8 with a given scale, 128 rows 0.099 and 0.090: small
+# tiles keep more of them in flight per SM.  Sage's query-block means
+# (``shift="tile_mean"``) need the block's rows in one tile, and the key
+# pass with the bias keeps 128 (``benchmarks/smooth_bias.py``).  V: (keys
+# per tile, warps), int8 0.109 ms with (64, 8) against 0.121 with (128, 4);
+# fp8 0.098 with (128, 4), 0.102 with (64, 8).
+ROWS_TILE = 32
+V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
+
+
 def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
-              key_order=False, flag_nonfinite=False, block_s=128,
-              num_warps=4):
+              key_order=False, flag_nonfinite=False, block_s=None,
+              num_warps=None):
   """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
   D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
   127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
@@ -89,8 +103,13 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
 
   ``flag_nonfinite``: NaN/Inf elements of ``v`` count as 0, and the second
   result flags the keys that hold one (bool ``[B, K, S]``; else None).
+  ``block_s`` (keys per tile) and ``num_warps`` are the kernel's knobs;
+  by default :data:`V_TILES` for ``dtype``.
+
   Returns ``(v8, flags)``."""
   b, s, nk, v_dim = v.shape
+  default_block_s, default_warps = V_TILES[jnp.dtype(dtype).name]
+  block_s, num_warps = block_s or default_block_s, num_warps or default_warps
   s_pad = common.round_up(s, block_s)
   d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
   v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)  # an edge
@@ -279,7 +298,7 @@ def _tile_mean(x, keep, count):
 
 
 def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
-                 scale=None, bias_q_mean=None, block: int = 128,
+                 scale=None, bias_q_mean=None, block: int | None = None,
                  num_warps: int | None = None, bias_chunk: int | None = None,
                  flag_nonfinite: bool = False):
   """Q or K quantized per group of rows in one pass (a Pallas kernel).
@@ -306,10 +325,11 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
   never reach memory.
 
-  ``num_warps`` (default 4) and ``bias_chunk`` (query-mean rows per bias
-  product, 16 to 64; default the largest that divides) are the kernel's
-  knobs (4 warps and 64-row products were the fastest for the key pass
-  with the bias on an H100: ``benchmarks/smooth_bias.py``).
+  ``block`` (rows per tile; default ``max(ROWS_TILE, group)``, 128 with
+  the bias), ``num_warps`` (default 4) and ``bias_chunk`` (query-mean rows
+  per bias product, 16 to 64; default the largest that divides) are the
+  kernel's knobs (4 warps and 64-row products were the fastest for the key
+  pass with the bias on an H100: ``benchmarks/smooth_bias.py``).
 
   ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
   scales, the values and the bias), and the rows that hold one are
@@ -320,6 +340,8 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   None, flags bool [B, L, H] or None)``.
   """
   b, n_rows, h, d = x.shape
+  if block is None:
+    block = 128 if bias_q_mean is not None else max(ROWS_TILE, group)
   d_block = pl.next_power_of_2(d)
   # Rows padded to whole tiles and D to a power of two (copies only then):
   # the Triton lowering does not mask the stores of a tile past the end of

@@ -8,7 +8,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from jaxattn import fmha, fp8, int_flash, nonfinite, quant, sage
+from jaxattn import data, fmha, fp8, int_flash, nonfinite, quant, sage
 from jaxattn import methods
 from jaxattn import operands as prepare
 from pallas_kernels import quantizers
@@ -240,6 +240,36 @@ def test_rows_operand_poisoned_tail_and_int4():
   assert np.abs(x8).max() == 7
   assert (sc[:, 160:] == 0).all() and (sc[:, 128:160] > 0).all()  # groups
   assert len(np.unique(sc[0, :32, 0])) == 1 and sc[0, 0, 0] != sc[0, 32, 0]
+
+
+def test_quantizer_tiles_do_not_change_the_bits():
+  """The passes' tiles (rows per tile of ``rows_operand``, keys per tile
+  and warps of ``v_operand``) are speed knobs only: the defaults and the
+  former ones give the same values, scales and flags at a length that is
+  no multiple of either tile, on inputs with outlier channels and a NaN."""
+  x = data.channel_outlier(jax.random.key(6), (1, 200, 2, 64),
+                           jnp.float32)[1].at[0, 77, 1, 3].set(jnp.nan)
+  lens = jnp.array([171])
+  for kw in (dict(group=1, dtype=jnp.int8),
+             dict(group=1, dtype=jnp.float8_e4m3fn,
+                  scale=jnp.full((1, 2), 0.02, jnp.float32))):
+    got = quantizers.rows_operand(x, lens, flag_nonfinite=True, **kw)
+    old = quantizers.rows_operand(x, lens, flag_nonfinite=True, block=128,
+                                  **kw)
+    for g, r in zip(got, old):
+      if r is not None:
+        np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                      np.asarray(r, np.float32))
+  ones = jnp.ones((1, 2, 64), jnp.float32)
+  for dtype in (jnp.int8, jnp.float8_e4m3fn):
+    vkw = dict(shift=ones * 0.5, inv_channel=ones * 20.0,
+               inv_row=jnp.ones((1, 2, 200), jnp.float32), dtype=dtype,
+               key_order=True, flag_nonfinite=True)
+    got = quantizers.v_operand(x, lens, **vkw)
+    old = quantizers.v_operand(x, lens, block_s=128, num_warps=4, **vkw)
+    for g, r in zip(got, old):
+      np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                    np.asarray(r, np.float32))
 
 
 @pytest.mark.parametrize("grouped", [True, False])
