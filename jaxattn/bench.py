@@ -542,7 +542,7 @@ def main(argv=None, prog="python -m jaxattn bench"):
   p.add_argument("--shapes", default=DEFAULT_SHAPES)
   p.add_argument("--methods", default="", help="comma list; default all")
   p.add_argument("--causal", default="both", choices=["both", "yes", "no"])
-  p.add_argument("--iters", type=int, default=10)
+  p.add_argument("--iters", type=int, default=50)
   p.add_argument("--reps", type=int, default=7)
   p.add_argument("--out", default="")
   p.add_argument("--log", default=os.devnull)
