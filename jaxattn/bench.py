@@ -16,7 +16,10 @@ SageAttention's Triton kernels (torch) and tokamax.  FLOPs are
 the forward's) against cuDNN bf16's, without the error columns.  Times are
 the median over ``--reps``
 timed groups of ``--iters`` back-to-back calls after warm-up, synchronised on
-the device.
+the device.  Each JAX and kernel row also has ``device_ms`` and its
+``device_ratio_vs_cudnn_bf16``: the GPU's time from one call's first kernel
+to the next call's (:func:`jaxattn.tuning.device_period_ms`, jax's
+profiler), which leaves out the host's share of the timed groups.
 
 The plots: one PNG per (causal, head dim), TFLOP/s (left) and ratio to cuDNN
 bf16 (right) against the sequence length, one line per method.
@@ -40,7 +43,7 @@ import jax.numpy as jnp
 import jaxattn
 from jaxattn import api, data, metrics, operands, pasa
 from jaxattn.report import Progress, new_figure, require_matplotlib
-from jaxattn.tuning import time_call
+from jaxattn.tuning import device_period_ms, time_call
 from pallas_kernels import common
 
 DEFAULT_SHAPES = "4x32x2048x128,2x32x8192x128,1x32x16384x128,4x32x4096x64"
@@ -329,7 +332,8 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None,
         t = time_call(f, args, iters, reps)
         mem = f.lower(*args).compile().memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", None)
-        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp)
+        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12, temp_bytes=temp,
+                          device_ms=device_period_ms(f, args))
         if with_accuracy:
           try:
             rows[name].update(accuracy(fn, dt, acc_inputs, causal))
@@ -339,7 +343,8 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None,
       elif kind == "kernel":
         fn, args = job(*base[jnp.float16])
         t = time_call(fn, args, iters, reps)
-        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12)
+        rows[name] = dict(ms=t * 1e3, tflops=flops / t / 1e12,
+                          device_ms=device_period_ms(fn, args))
       else:
         import torch
         import triton.testing
@@ -359,9 +364,12 @@ def bench_shape(shape, causal, names, iters, reps, log, progress=None,
       progress.step(f"{'x'.join(map(str, shape))} "
                     f"{'causal' if causal else 'non-causal'} {name}")
   ref = rows.get(REFERENCE, {}).get("ms")
+  ref_device = rows.get(REFERENCE, {}).get("device_ms")
   for r in rows.values():
     if ref and "ms" in r:
       r["ratio_vs_cudnn_bf16"] = ref / r["ms"]
+    if ref_device and r.get("device_ms"):
+      r["device_ratio_vs_cudnn_bf16"] = ref_device / r["device_ms"]
   return rows
 
 
@@ -372,6 +380,9 @@ def format_rows(shape, causal, rows):
     if "ms" in r:
       line = (f"  {n:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
               f"x{r.get('ratio_vs_cudnn_bf16', float('nan')):.3f}")
+      if r.get("device_ratio_vs_cudnn_bf16"):
+        line += (f"  GPU {r['device_ms']:.3f} ms "
+                 f"x{r['device_ratio_vs_cudnn_bf16']:.3f}")
       if "rel_l2" in r:
         line += f"  cos {r['cos_sim']:.6f} rel_l2 {r['rel_l2']:.2e}"
       lines.append(line)

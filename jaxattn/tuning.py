@@ -70,6 +70,20 @@ def device_kernels(fn, args, calls: int = 5):
   return sorted(kernels, key=lambda e: e[1])
 
 
+def device_period_ms(fn, args, calls: int = 6):
+  """The median over ``calls - 1`` pairs of back-to-back calls of the GPU
+  time (ms) from one call's first kernel to the next call's
+  (:func:`device_kernels`): the call's kernels and the idle gaps between
+  them, without the host's dispatch where that is shorter; None without a
+  GPU."""
+  kernels = device_kernels(fn, args, calls)
+  if not kernels or len(kernels) % calls:
+    return None
+  per_call = len(kernels) // calls
+  starts = [kernels[i * per_call][1] for i in range(calls)]
+  return statistics.median((b - a) / 1e6 for a, b in zip(starts, starts[1:]))
+
+
 def device_ms(fn, args, calls: int = 5):
   """The median over ``calls`` calls of the GPU time (ms) of the kernels of
   one call of ``fn(*args)`` (:func:`device_kernels`), or None without a

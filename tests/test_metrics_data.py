@@ -360,3 +360,21 @@ def test_bad_parameters():
     data.channel_outlier(KEY, SHAPE, outlier_scale=-1.0)
   with pytest.raises(ValueError, match="period"):
     data.resonance(KEY, SHAPE, period=0.0)
+
+
+def test_device_times_from_the_traced_kernels(monkeypatch):
+  """``tuning.device_ms`` sums one call's kernel durations and
+  ``device_period_ms`` takes one call's first kernel to the next call's
+  (the gaps in), medians over the calls; None without GPU kernels."""
+  from jaxattn import tuning
+  # three calls of two kernels each: (name, start_ns, duration_ns)
+  kernels = [("a", 0, 100), ("b", 150, 1000), ("a", 1300, 100),
+             ("b", 1420, 1000), ("a", 2600, 100), ("b", 2700, 1200)]
+  monkeypatch.setattr(tuning, "device_kernels",
+                      lambda fn, args, calls: kernels)
+  assert tuning.device_ms(None, (), calls=3) == 1100 / 1e6
+  assert tuning.device_period_ms(None, (), calls=3) == 1300 / 1e6
+  # kernels that do not split into equal calls: no number, not a wrong one
+  assert tuning.device_ms(None, (), calls=4) is None
+  monkeypatch.setattr(tuning, "device_kernels", lambda fn, args, calls: [])
+  assert tuning.device_period_ms(None, (), calls=3) is None
