@@ -9,8 +9,7 @@ tensor (the bandwidth floors of a pass and of a statistics read).
 Each setting is jitted alone; its time is the GPU time of its kernels
 (:func:`jaxattn.tuning.device_ms`, the median of 5 calls), in two rounds of
 alternating order.  (Timed from the host, a pass this short measures the
-host's dispatch: an XLA cast took 0.092 ms on the H100 and on the H200
-alike.)
+host's dispatch: ``docs/design.md``, "The passes' tiles".)
 """
 import functools
 import sys

@@ -18,8 +18,8 @@ the median over ``--reps``
 timed groups of ``--iters`` back-to-back calls after warm-up, synchronised on
 the device.  Each JAX and kernel row also has ``device_ms`` and its
 ``device_ratio_vs_cudnn_bf16``: the GPU's time from one call's first kernel
-to the next call's (:func:`jaxattn.tuning.device_period_ms`, jax's
-profiler), which leaves out the host's share of the timed groups.
+to the next call's over 6 traced calls after the timed groups
+(:func:`jaxattn.tuning.device_period_ms`, jax's profiler).
 
 The plots: one PNG per (causal, head dim), TFLOP/s (left) and ratio to cuDNN
 bf16 (right) against the sequence length, one line per method.
@@ -380,9 +380,9 @@ def format_rows(shape, causal, rows):
     if "ms" in r:
       line = (f"  {n:28s} {r['ms']:8.3f} ms {r['tflops']:7.1f} TFLOP/s "
               f"x{r.get('ratio_vs_cudnn_bf16', float('nan')):.3f}")
-      if r.get("device_ratio_vs_cudnn_bf16"):
+      if r.get("device_ms"):
         line += (f"  GPU {r['device_ms']:.3f} ms "
-                 f"x{r['device_ratio_vs_cudnn_bf16']:.3f}")
+                 f"x{r.get('device_ratio_vs_cudnn_bf16', float('nan')):.3f}")
       if "rel_l2" in r:
         line += f"  cos {r['cos_sim']:.6f} rel_l2 {r['rel_l2']:.2e}"
       lines.append(line)

@@ -55,18 +55,19 @@ def device_kernels(fn, args, calls: int = 5):
   dispatch: a call shorter than its dispatch (~0.1 ms) measures the host
   there, not the kernels."""
   jax.block_until_ready(fn(*args))
-  trace_dir = tempfile.mkdtemp()
-  with jax.profiler.trace(trace_dir):
-    for _ in range(calls):
-      out = fn(*args)
-    jax.block_until_ready(out)
-  path = glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True)[0]
   kernels = []
-  for plane in jax.profiler.ProfileData.from_file(path).planes:
-    if plane.name.startswith("/device:GPU"):
-      kernels += [(ev.name, ev.start_ns, ev.duration_ns)
-                  for line in plane.lines if line.name.startswith("Stream")
-                  for ev in line.events]
+  with tempfile.TemporaryDirectory() as trace_dir:
+    with jax.profiler.trace(trace_dir):
+      for _ in range(calls):
+        out = fn(*args)
+      jax.block_until_ready(out)
+    for path in glob.glob(trace_dir + "/**/*.xplane.pb", recursive=True):
+      for plane in jax.profiler.ProfileData.from_file(path).planes:
+        if plane.name.startswith("/device:GPU"):
+          kernels += [(ev.name, ev.start_ns, ev.duration_ns)
+                      for line in plane.lines
+                      if line.name.startswith("Stream")
+                      for ev in line.events]
   return sorted(kernels, key=lambda e: e[1])
 
 
@@ -75,7 +76,7 @@ def device_period_ms(fn, args, calls: int = 6):
   time (ms) from one call's first kernel to the next call's
   (:func:`device_kernels`): the call's kernels and the idle gaps between
   them, without the host's dispatch where that is shorter; None without a
-  GPU."""
+  GPU or where the kernels do not split into ``calls`` equal lists."""
   kernels = device_kernels(fn, args, calls)
   if not kernels or len(kernels) % calls:
     return None
@@ -86,8 +87,9 @@ def device_period_ms(fn, args, calls: int = 6):
 
 def device_ms(fn, args, calls: int = 5):
   """The median over ``calls`` calls of the GPU time (ms) of the kernels of
-  one call of ``fn(*args)`` (:func:`device_kernels`), or None without a
-  GPU."""
+  one call of ``fn(*args)`` (:func:`device_kernels`; memsets count), or
+  None without a GPU or where the kernels do not split into ``calls``
+  equal lists."""
   kernels = device_kernels(fn, args, calls)
   if not kernels or len(kernels) % calls:
     return None

@@ -71,18 +71,29 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
   o_ref[...] = y.T.astype(o_ref.dtype)
 
 
-# The passes' tiles, by their GPU time at 2x8192x32x128 float16 on the H100
-# (``benchmarks/quantizer_knobs.py``, ``results/2026-11-27_h100_quantizer_
-# knobs.json``; a float16 -> int8 cast of one tensor takes 0.081 ms there).
-# Q/K: 32 rows per tile took 0.081-0.082 ms for a per-token int8 pass and
-# 0.080-0.081 for fp8 with a given scale, 128 rows 0.099 and 0.090: small
-# tiles keep more of them in flight per SM.  Sage's query-block means
-# (``shift="tile_mean"``) need the block's rows in one tile, and the key
-# pass with the bias keeps 128 (``benchmarks/smooth_bias.py``).  V: (keys
-# per tile, warps), int8 0.109 ms with (64, 8) against 0.121 with (128, 4);
-# fp8 0.098 with (128, 4), 0.102 with (64, 8).
+# The passes' default tiles, the fastest by GPU time on the H100
+# (``benchmarks/quantizer_knobs.py``; docs/design.md, "The passes' tiles"):
+# Q/K passes in tiles of 32 rows (or one group, where a group is larger),
+# since the per-token and given-scale passes ran near a cast's time in
+# 32-row tiles and slower in 128-row ones.  Sage's query-block means
+# (``shift="tile_mean"``) and per-tile shifts need one block of rows per
+# tile, which their callers give; the key pass with the bias keeps 128 rows
+# (``benchmarks/smooth_bias.py``).  V: (keys per tile, warps) per dtype.
+# In the interpreter every program is one more step of a loop, so there the
+# defaults are the large tiles (the same bits:
+# tests/test_prepare.py::test_quantizer_tiles_do_not_change_the_bits).
 ROWS_TILE = 32
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
+INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys, warps)
+
+
+def _default_tiles():
+  """``(rows per Q/K tile, {V dtype: (keys per tile, warps)})`` where the
+  kernels run now."""
+  if common.interpret():
+    rows, v_tiles = INTERPRET_TILES
+    return rows, {name: v_tiles for name in V_TILES}
+  return ROWS_TILE, V_TILES
 
 
 def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
@@ -104,12 +115,16 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
   ``flag_nonfinite``: NaN/Inf elements of ``v`` count as 0, and the second
   result flags the keys that hold one (bool ``[B, K, S]``; else None).
   ``block_s`` (keys per tile) and ``num_warps`` are the kernel's knobs;
-  by default :data:`V_TILES` for ``dtype``.
+  by default :data:`V_TILES` for ``dtype`` on the GPU.
 
   Returns ``(v8, flags)``."""
   b, s, nk, v_dim = v.shape
-  default_block_s, default_warps = V_TILES[jnp.dtype(dtype).name]
+  default_block_s, default_warps = _default_tiles()[1].get(
+      jnp.dtype(dtype).name, (128, 4))
   block_s, num_warps = block_s or default_block_s, num_warps or default_warps
+  if key_order and block_s % 16:
+    raise ValueError(f"key_order reorders chunks of 16 keys: block_s must be "
+                     f"a multiple of 16, got {block_s}")
   s_pad = common.round_up(s, block_s)
   d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
   v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)  # an edge
@@ -325,11 +340,12 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
   never reach memory.
 
-  ``block`` (rows per tile; default ``max(ROWS_TILE, group)``, 128 with
-  the bias), ``num_warps`` (default 4) and ``bias_chunk`` (query-mean rows
-  per bias product, 16 to 64; default the largest that divides) are the
-  kernel's knobs (4 warps and 64-row products were the fastest for the key
-  pass with the bias on an H100: ``benchmarks/smooth_bias.py``).
+  ``block`` (rows per tile; default ``max(ROWS_TILE, group)`` on the GPU,
+  128 with the bias or in the interpreter), ``num_warps`` (default 4) and
+  ``bias_chunk`` (query-mean rows per bias product, 16 to 64; default the
+  largest that divides) are the kernel's knobs (4 warps and 64-row
+  products were the fastest for the key pass with the bias on an H100:
+  ``benchmarks/smooth_bias.py``).
 
   ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
   scales, the values and the bias), and the rows that hold one are
@@ -340,8 +356,19 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   None, flags bool [B, L, H] or None)``.
   """
   b, n_rows, h, d = x.shape
+  if group not in (1, 2, 4, 8, 16, 32, 64, 128):
+    raise ValueError(f"group must be a power of two up to 128, got {group}")
+  per_tile_shift = isinstance(shift, str) or (
+      shift is not None and shift.shape[1] > 1)
   if block is None:
-    block = 128 if bias_q_mean is not None else max(ROWS_TILE, group)
+    if per_tile_shift:   # the shift's rows are the caller's blocks
+      raise ValueError("a per-tile shift (shift='tile_mean' or one row per "
+                       "block) needs its block given")
+    block = (128 if bias_q_mean is not None
+             else max(_default_tiles()[0], group))
+  if scale is None and block % group:
+    raise ValueError(f"a tile of {block} rows does not hold whole groups of "
+                     f"{group}")
   d_block = pl.next_power_of_2(d)
   # Rows padded to whole tiles and D to a power of two (copies only then):
   # the Triton lowering does not mask the stores of a tile past the end of

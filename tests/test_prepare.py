@@ -244,28 +244,44 @@ def test_rows_operand_poisoned_tail_and_int4():
 
 def test_quantizer_tiles_do_not_change_the_bits():
   """The passes' tiles (rows per tile of ``rows_operand``, keys per tile
-  and warps of ``v_operand``) are speed knobs only: the defaults and the
-  former ones give the same values, scales and flags at a length that is
-  no multiple of either tile, on inputs with outlier channels and a NaN."""
+  and warps of ``v_operand``) are speed knobs only: the GPU's defaults
+  and the large tiles (the interpreter's defaults) give the same values,
+  scales and flags at a length that is no multiple of either tile, on
+  inputs with outlier channels and a NaN (per token, a given scale,
+  groups of 64 with the key mean and int4 values, groups of 128); a
+  per-tile shift without its block, or a tile that splits a group, is
+  refused."""
   x = data.channel_outlier(jax.random.key(6), (1, 200, 2, 64),
                            jnp.float32)[1].at[0, 77, 1, 3].set(jnp.nan)
   lens = jnp.array([171])
+  key_mean = jnp.full((1, 1, 2, 64), 0.75, jnp.float32)
   for kw in (dict(group=1, dtype=jnp.int8),
              dict(group=1, dtype=jnp.float8_e4m3fn,
-                  scale=jnp.full((1, 2), 0.02, jnp.float32))):
-    got = quantizers.rows_operand(x, lens, flag_nonfinite=True, **kw)
+                  scale=jnp.full((1, 2), 0.02, jnp.float32)),
+             dict(group=64, dtype=jnp.int8, bits=4, shift=key_mean),
+             dict(group=128, dtype=jnp.float8_e4m3fn)):
+    gpu_block = max(quantizers.ROWS_TILE, kw["group"])  # the GPU's default
+    got = quantizers.rows_operand(x, lens, flag_nonfinite=True,
+                                  block=gpu_block, **kw)
     old = quantizers.rows_operand(x, lens, flag_nonfinite=True, block=128,
                                   **kw)
     for g, r in zip(got, old):
       if r is not None:
         np.testing.assert_array_equal(np.asarray(g, np.float32),
                                       np.asarray(r, np.float32))
+  with pytest.raises(ValueError, match="block given"):
+    quantizers.rows_operand(x, lens, group=32, dtype=jnp.int8,
+                            shift="tile_mean")
+  with pytest.raises(ValueError, match="whole groups"):
+    quantizers.rows_operand(x, lens, group=64, dtype=jnp.int8, block=32)
   ones = jnp.ones((1, 2, 64), jnp.float32)
   for dtype in (jnp.int8, jnp.float8_e4m3fn):
     vkw = dict(shift=ones * 0.5, inv_channel=ones * 20.0,
                inv_row=jnp.ones((1, 2, 200), jnp.float32), dtype=dtype,
                key_order=True, flag_nonfinite=True)
-    got = quantizers.v_operand(x, lens, **vkw)
+    block_s, warps = quantizers.V_TILES[jnp.dtype(dtype).name]
+    got = quantizers.v_operand(x, lens, block_s=block_s, num_warps=warps,
+                               **vkw)
     old = quantizers.v_operand(x, lens, block_s=128, num_warps=4, **vkw)
     for g, r in zip(got, old):
       np.testing.assert_array_equal(np.asarray(g, np.float32),

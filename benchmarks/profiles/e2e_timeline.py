@@ -1,6 +1,7 @@
-"""Where an end-to-end call's time goes on the GPU: every kernel of a few
-back-to-back calls, from jax's profiler (CUPTI), with the idle gaps
-between them, for the methods of ``jaxattn.bench`` at 2x8192x32x128:
+"""Where an end-to-end call's time goes on the GPU: every kernel of the
+last of a few back-to-back calls, from jax's profiler (CUPTI), with the
+idle gaps between them, for the methods of ``jaxattn.bench`` at
+2x8192x32x128:
 
     python benchmarks/profiles/e2e_timeline.py OUT.log [--causal]
 
@@ -57,14 +58,13 @@ for name in args.methods.split(","):
   f = jax.jit(fn)
   ms = time_call(f, (q, k, v), iters=10, reps=5) * 1e3
   kernels = device_kernels(f, (q, k, v), CALLS)
-  if len(kernels) < CALLS:
-    emit(f"== {name}: {ms:.3f} ms per call; no GPU kernels traced")
+  if not kernels or len(kernels) % CALLS:
+    emit(f"== {name}: {ms:.3f} ms per call; {len(kernels)} GPU kernels "
+         f"traced, not {CALLS} equal calls")
     continue
-  # the last call: from the end of the previous call's longest kernel on
-  longest = sorted(range(len(kernels)), key=lambda i: -kernels[i][2])[:CALLS]
-  first = sorted(longest)[-2] + 1
-  call = kernels[first:]
-  period = (call[0][1] - kernels[sorted(longest)[-3] + 1][1]) / 1e6
+  per_call = len(kernels) // CALLS   # every call launches the same kernels
+  call = kernels[-per_call:]          # the last one
+  period = (call[0][1] - kernels[-2 * per_call][1]) / 1e6
   emit(f"== {name}: {ms:.3f} ms per call (time_call); traced call "
        f"{len(call)} kernels, {period:.3f} ms from the previous call's start")
   t0, end = call[0][1], call[0][1]

@@ -67,6 +67,10 @@ for name, (dtype, fn) in methods().items():
   jax.block_until_ready(out)
   wall = (time.perf_counter() - t0) / args.calls * 1e3
   kernels = device_kernels(f, (q, k, v), args.calls)
+  if not kernels or len(kernels) % args.calls:
+    emit(f"{name}: {len(kernels)} GPU kernels traced, not {args.calls} "
+         f"equal calls")
+    continue
   per_call = len(kernels) // args.calls
   starts = [kernels[i * per_call][1] for i in range(args.calls)]
   periods = [(b_ - a) / 1e6 for a, b_ in zip(starts, starts[1:])]
