@@ -10,9 +10,9 @@ method, shapes and flags for the life of the process.
 from __future__ import annotations
 
 import argparse
+import glob
 import itertools
 import json
-import glob
 import statistics
 import tempfile
 import time
@@ -71,17 +71,25 @@ def device_kernels(fn, args, calls: int = 5):
   return sorted(kernels, key=lambda e: e[1])
 
 
+def split_calls(kernels, calls: int):
+  """:func:`device_kernels`' list as ``calls`` lists, one a call (every
+  call launches the same kernels), or None where it does not split so."""
+  if not kernels or len(kernels) % calls:
+    return None
+  n = len(kernels) // calls
+  return [kernels[i * n:(i + 1) * n] for i in range(calls)]
+
+
 def device_period_ms(fn, args, calls: int = 6):
   """The median over ``calls - 1`` pairs of back-to-back calls of the GPU
   time (ms) from one call's first kernel to the next call's
   (:func:`device_kernels`): the call's kernels and the idle gaps between
   them, without the host's dispatch where that is shorter; None without a
   GPU or where the kernels do not split into ``calls`` equal lists."""
-  kernels = device_kernels(fn, args, calls)
-  if not kernels or len(kernels) % calls:
+  per_call = split_calls(device_kernels(fn, args, calls), calls)
+  if per_call is None:
     return None
-  per_call = len(kernels) // calls
-  starts = [kernels[i * per_call][1] for i in range(calls)]
+  starts = [c[0][1] for c in per_call]
   return statistics.median((b - a) / 1e6 for a, b in zip(starts, starts[1:]))
 
 
@@ -90,13 +98,10 @@ def device_ms(fn, args, calls: int = 5):
   one call of ``fn(*args)`` (:func:`device_kernels`; memsets count), or
   None without a GPU or where the kernels do not split into ``calls``
   equal lists."""
-  kernels = device_kernels(fn, args, calls)
-  if not kernels or len(kernels) % calls:
+  per_call = split_calls(device_kernels(fn, args, calls), calls)
+  if per_call is None:
     return None
-  per_call = len(kernels) // calls
-  return statistics.median(
-      sum(k[2] for k in kernels[i * per_call:(i + 1) * per_call]) / 1e6
-      for i in range(calls))
+  return statistics.median(sum(k[2] for k in c) / 1e6 for c in per_call)
 
 
 def benchmark_args(causal: bool = False, parts=None):

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn.tuning import device_kernels, time_call
+from jaxattn.tuning import device_kernels, split_calls, time_call
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -57,14 +57,13 @@ for name in args.methods.split(","):
              for x in keys)
   f = jax.jit(fn)
   ms = time_call(f, (q, k, v), iters=10, reps=5) * 1e3
-  kernels = device_kernels(f, (q, k, v), CALLS)
-  if not kernels or len(kernels) % CALLS:
-    emit(f"== {name}: {ms:.3f} ms per call; {len(kernels)} GPU kernels "
-         f"traced, not {CALLS} equal calls")
+  per_call = split_calls(device_kernels(f, (q, k, v), CALLS), CALLS)
+  if per_call is None:
+    emit(f"== {name}: {ms:.3f} ms per call; the traced GPU kernels do not "
+         f"split into {CALLS} equal calls")
     continue
-  per_call = len(kernels) // CALLS   # every call launches the same kernels
-  call = kernels[-per_call:]          # the last one
-  period = (call[0][1] - kernels[-2 * per_call][1]) / 1e6
+  call = per_call[-1]
+  period = (call[0][1] - per_call[-2][0][1]) / 1e6
   emit(f"== {name}: {ms:.3f} ms per call (time_call); traced call "
        f"{len(call)} kernels, {period:.3f} ms from the previous call's start")
   t0, end = call[0][1], call[0][1]

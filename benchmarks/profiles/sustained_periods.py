@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn.tuning import device_kernels
+from jaxattn.tuning import device_kernels, split_calls
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")
@@ -66,16 +66,15 @@ for name, (dtype, fn) in methods().items():
     out = f(q, k, v)
   jax.block_until_ready(out)
   wall = (time.perf_counter() - t0) / args.calls * 1e3
-  kernels = device_kernels(f, (q, k, v), args.calls)
-  if not kernels or len(kernels) % args.calls:
-    emit(f"{name}: {len(kernels)} GPU kernels traced, not {args.calls} "
+  per_call = split_calls(device_kernels(f, (q, k, v), args.calls),
+                         args.calls)
+  if per_call is None:
+    emit(f"{name}: the traced GPU kernels do not split into {args.calls} "
          f"equal calls")
     continue
-  per_call = len(kernels) // args.calls
-  starts = [kernels[i * per_call][1] for i in range(args.calls)]
+  starts = [c[0][1] for c in per_call]
   periods = [(b_ - a) / 1e6 for a, b_ in zip(starts, starts[1:])]
-  main = [max(kernels[i * per_call:(i + 1) * per_call], key=lambda e: e[2])[2]
-          / 1e6 for i in range(args.calls)]
+  main = [max(e[2] for e in c) / 1e6 for c in per_call]
   emit(f"{name}: wall {wall:.3f} ms a call (untraced); traced periods "
        f"first 5 {statistics.median(periods[:5]):.3f}, last 5 "
        f"{statistics.median(periods[-5:]):.3f}, all "
