@@ -140,16 +140,6 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
-# With one V scale per key block (``v_block_scale``), O is kept in units of
-# the last block's scale, so that the change of unit joins the per-row
-# factor of the online softmax (:func:`_in_block_units`) instead of a
-# multiply per element of every block's P V.  ``benchmarks/v_block_units.py``
-# times the choices.
-V_SCALE_IN_ROW_FACTOR = True
-# A block whose V scale is below this fraction of the largest seen is scaled
-# into the current unit instead (per element): O / unit then stays below
-# 448^2 S 2^64, within float32 for any S below 2^51.
-V_UNIT_RANGE = 2.0 ** -64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -437,30 +427,6 @@ def _block_anchored_p(s, c, m, l, *, masked, exact_exponent,
       m_new, a_prev * l + a_cur * e.sum(axis=1), a_prev, a_cur)
 
 
-def _in_block_units(alpha, pv_blk, v_scale, units):
-  """``O alpha + v_scale (P V)_j`` as ``O' alpha' + (P V)_j``: O' is O in
-  units of ``v_scale`` (O' = O / unit), so ``alpha' = alpha unit /
-  v_scale`` rescales each row once.
-
-  ``units`` = (unit, top): the accumulator's unit (0 before any block
-  with a scale) and the largest scale seen.  A block below
-  :data:`V_UNIT_RANGE` of ``top`` (or of scale 0, all zeros) is scaled
-  into the current unit instead, element by element, so that O' stays
-  within float32.  Returns ``(alpha', P V in O's units, units')``."""
-  unit, top = units
-  top = jnp.maximum(top, v_scale)
-  to_block_unit = v_scale >= top * V_UNIT_RANGE   # False at 0 and NaN
-
-  def change_unit():
-    return alpha * jnp.where(unit > 0.0, unit / v_scale, 0.0), pv_blk, v_scale
-
-  def keep_unit():
-    return (alpha, pv_blk * jnp.where(unit > 0.0, v_scale / unit, 0.0),
-            unit)
-  alpha, pv_blk, unit = lax.cond(to_block_unit, change_unit, keep_unit)
-  return alpha, pv_blk, (unit, top)
-
-
 def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
   """The natural-log log-sum-exp of each row's scaled scores from the online
   softmax's state: the running max ``m`` (base 2 where ``m_scaled``, else
@@ -482,7 +448,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa_inva,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, k_scale_per_block, has_qbias,
-            bias_rows, has_vbs, v_scale_in_row_factor,
+            bias_rows, has_vbs,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
@@ -585,9 +551,6 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
                               plgpu.Layout.WGMMA)
       pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
-      # O's unit and the largest V block scale seen (_in_block_units)
-      v_units = ((jnp.float32(0.0), jnp.float32(0.0))
-                 if v_scale_in_row_factor else ())
       # the factor that takes scores to base 2 in the exponent
       if has_qk_scales and not has_qbias:
         exp_factor = q_scale
@@ -765,10 +728,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           v_op = v_op.transpose((1, 0))   # [D, bk] in memory: K-major B
         return p_op, v_op
 
-      def add_block(state, pv_blk, loads, alpha, block_rows, v_units):
-        """The state ``(O, m, l, PASA's F)`` and O's V units after the
-        block's per-block ``P V``: ``O * alpha + P V`` (one FMA), or
-        PASA's steps 3-6."""
+      def add_block(state, pv_blk, loads, alpha, block_rows):
+        """The state ``(O, m, l, PASA's F)`` after the block's per-block
+        ``P V``: ``O * alpha + P V`` (one FMA), or PASA's steps 3-6."""
         if has_colsum:   # uint8 P: (P - 128) V + 128 colsum(V), exact
           colsum = loads["colsum"]()
           pv_blk = pv_blk + lax.broadcast_in_dim(colsum * 128, pv_blk.shape,
@@ -777,21 +739,18 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
               block_rows, pv_blk.shape, [0])
         else:
           pv_blk = pv_blk.astype(f32)
-        if v_scale_in_row_factor:  # one V scale per key block
-          alpha, pv_blk, v_units = _in_block_units(
-              alpha, pv_blk, loads["v_scale"](), v_units)
-        elif has_vbs:
+        if has_vbs:  # one V scale per key block
           pv_blk = pv_blk * loads["v_scale"]()
         if pasa_per_block:
           return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
                               exp_factor=c_scale,
-                              weight=loads["weight"]()), v_units
+                              weight=loads["weight"]())
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
-        return (acc, *rest), v_units
+        return (acc, *rest)
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
-        acc, m_i, l_i, pasa_state, v_units = carry
+        acc, m_i, l_i, pasa_state = carry
         slot = slot_of(j)
         # (issued before the QK wait, so that the load's latency hides)
         k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
@@ -857,11 +816,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           else:
             pv_blk = pl.run_scoped(pv_scope,
                                    plgpu.ACC((bq, head_dim), pv_type))
-          (acc, m_new, l_new, pasa_state), v_units = add_block(
+          acc, m_new, l_new, pasa_state = add_block(
               (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
-              block_rows, v_units)
+              block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_new, pasa_state, v_units
+        return acc, m_new, l_new, pasa_state
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
         slot = slot_of(j)
@@ -887,11 +846,10 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
 
       masked_step = functools.partial(kv_step, masked=True)
       carry = lax.fori_loop(lo, full_lo, masked_step,
-                            (acc, m_i, l_i, pasa_state, v_units))
+                            (acc, m_i, l_i, pasa_state))
       carry = lax.fori_loop(full_lo, full_hi,
                             functools.partial(kv_step, masked=False), carry)
-      acc, m_i, l_i, _, v_units = lax.fori_loop(full_hi, hi, masked_step,
-                                                carry)
+      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
       lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
@@ -899,8 +857,6 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       # (with P * 448 folded into the exponent, l is in units of 1/448)
       l_unit = FP8_MAX if pv == "fp8" else 1.0
       inv_l = l_unit / jnp.where(empty, 1.0, l_i.astype(f32))
-      if v_scale_in_row_factor:   # O' = O / unit
-        inv_l = inv_l * v_units[0]
       out = acc.astype(f32) * lax.broadcast_in_dim(inv_l, acc.shape, [0])
       if has_epilogue:
         osc = plgpu.load(osc_ref.at[batch, kv_head], layout=col_layout,
@@ -1196,10 +1152,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       has_qk_scales=has_qk_scales,
       k_scale_per_block=has_qk_scales and k_block_scale is not None,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
-      has_vbs=v_block_scale is not None,
-      v_scale_in_row_factor=(v_block_scale is not None
-                             and V_SCALE_IN_ROW_FACTOR),
-      has_colsum=v_colsum is not None,
+      has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
       p_in_smem=p_in_smem,
       fused_pv=(pv == "fp16" and not p_in_smem
