@@ -15,6 +15,37 @@ os.environ.setdefault("PJRT_NPROC", "16")
 
 import pytest  # noqa: E402
 
+# jax's persistent compilation cache, shared by the xdist workers of one run
+# (``pytest -n``, as ``dev.sh test``): the tests of a file are spread over
+# the workers, which compile many of the same interpret-mode kernels, and a
+# worker compiles again after ``jax.clear_caches`` (below); docs/design.md
+# ("The CPU suite") has the times.  The controller makes one directory per
+# run and removes it at the end, so that a run never reads another's
+# executables.  JAXATTN_TEST_JIT_CACHE=0 turns it off.
+_CACHE_ENV = "JAXATTN_TEST_JIT_CACHE_DIR"
+
+
+def pytest_configure(config):
+  if os.environ.get("JAXATTN_TEST_JIT_CACHE", "1") == "0":
+    return
+  if not hasattr(config, "workerinput"):   # the xdist controller, or no xdist
+    if getattr(config.option, "numprocesses", None):
+      import tempfile
+      os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxattn-jit-cache-")
+      config._jaxattn_jit_cache_owner = True
+    return
+  if _CACHE_ENV in os.environ:   # a worker (the controller's environment)
+    import jax
+    jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+  if getattr(config, "_jaxattn_jit_cache_owner", False):
+    import shutil
+    shutil.rmtree(os.environ.pop(_CACHE_ENV), ignore_errors=True)
+
 
 def _memory_maps() -> int | None:
   """The number of this process's memory mappings (None off Linux)."""
