@@ -140,6 +140,11 @@ HEAVIEST_FIRST = True
 # (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
 # faster axis anyway beyond 65535 table rows (the grid's y limit).
 GRID_HEADS_INNER = True
+# The per-block scales of K and V (``k_block_scale``, ``v_block_scale``)
+# loaded one step ahead and carried into the next, instead of at the start
+# of the step that uses them: a scalar load in the step cost the V scale's
+# kernels 3-5% (``benchmarks/block_scale_prefetch.py`` times the choices).
+PREFETCH_BLOCK_SCALES = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -448,7 +453,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             block_q, block_k, stages, group, c_scale, pasa_inva,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, k_scale_per_block, has_qbias,
-            bias_rows, has_vbs,
+            bias_rows, has_vbs, prefetch_block_scales,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
             exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
@@ -568,7 +573,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           thunks["colsum"] = lambda: plgpu.load(
               colsum_ref.at[batch, kv_head, j], layout=col_layout,
               optimized=False)
-        if has_vbs:
+        if has_vbs and not prefetch_block_scales:
           thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
         thunks["weight"] = ((lambda: shifted_ref[batch, kv_head, j])
                             if has_shifted else (lambda: None))
@@ -579,6 +584,16 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         if early_block_loads:   # (the default x=f() loads here)
           return {name: (lambda x=f(): x) for name, f in thunks.items()}
         return thunks
+
+      def block_scales(j):
+        """Key block j's K and V scales (:data:`PREFETCH_BLOCK_SCALES`;
+        float32 0 for those the call has not), j clamped into the arrays
+        (the last step loads one past its block)."""
+        def at(ref):
+          return ref[batch, kv_head, jnp.minimum(j, ref.shape[-1] - 1)]
+        zero = jnp.float32(0.0)
+        return (at(ks_ref) if k_scale_per_block else zero,
+                at(vbs_ref) if has_vbs else zero)
 
       def scores(s, j, masked, loads, k_scale=None):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
@@ -750,11 +765,16 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         return (acc, *rest)
 
       def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
-        acc, m_i, l_i, pasa_state = carry
+        acc, m_i, l_i, pasa_state, ahead = carry
         slot = slot_of(j)
-        # (issued before the QK wait, so that the load's latency hides)
-        k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
         loads = block_loads(j, masked)
+        if prefetch_block_scales:   # this step's, loaded in the last one
+          k_block, v_scale = ahead
+          if has_vbs:
+            loads["v_scale"] = lambda: v_scale
+          ahead = block_scales(j + 1)
+        else:   # (issued before the QK wait, so that the latency hides)
+          k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -820,7 +840,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
               (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
               block_rows)
         plgpu.barrier_arrive(v_consumed.at[slot])
-        return acc, m_new, l_new, pasa_state
+        return acc, m_new, l_new, pasa_state, ahead
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
         slot = slot_of(j)
@@ -845,11 +865,12 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
       masked_step = functools.partial(kv_step, masked=True)
+      ahead = block_scales(lo) if prefetch_block_scales else ()
       carry = lax.fori_loop(lo, full_lo, masked_step,
-                            (acc, m_i, l_i, pasa_state))
+                            (acc, m_i, l_i, pasa_state, ahead))
       carry = lax.fori_loop(full_lo, full_hi,
                             functools.partial(kv_step, masked=False), carry)
-      acc, m_i, l_i, _ = lax.fori_loop(full_hi, hi, masked_step, carry)
+      acc, m_i, l_i, *_ = lax.fori_loop(full_hi, hi, masked_step, carry)
       lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
@@ -1152,7 +1173,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       has_qk_scales=has_qk_scales,
       k_scale_per_block=has_qk_scales and k_block_scale is not None,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
-      has_vbs=v_block_scale is not None, has_colsum=v_colsum is not None,
+      has_vbs=v_block_scale is not None,
+      prefetch_block_scales=(PREFETCH_BLOCK_SCALES and (
+          v_block_scale is not None
+          or (has_qk_scales and k_block_scale is not None))),
+      has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
       p_in_smem=p_in_smem,
       fused_pv=(pv == "fp16" and not p_in_smem
