@@ -23,6 +23,7 @@ import pytest  # noqa: E402
 # run and removes it at the end, so that a run never reads another's
 # executables.  JAXATTN_TEST_JIT_CACHE=0 turns it off.
 _CACHE_ENV = "JAXATTN_TEST_JIT_CACHE_DIR"
+_CACHE_PREFIX = "jaxattn-jit-cache-"
 
 
 def pytest_configure(config):
@@ -30,8 +31,9 @@ def pytest_configure(config):
     return
   if not hasattr(config, "workerinput"):   # the xdist controller, or no xdist
     if getattr(config.option, "numprocesses", None):
+      _remove_stale_caches()
       import tempfile
-      os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="jaxattn-jit-cache-")
+      os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix=_CACHE_PREFIX)
       config._jaxattn_jit_cache_owner = True
     return
   if _CACHE_ENV in os.environ:   # a worker (the controller's environment)
@@ -39,6 +41,27 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    # A size limit turns on the cache's file lock around every read and
+    # write: without it one worker could read an entry the other is still
+    # writing (jax would warn and compile again).  Far above what a run
+    # writes, so nothing is evicted.
+    jax.config.update("jax_compilation_cache_max_size", 1 << 34)
+
+
+def _remove_stale_caches(max_age_s: float = 86400.0):
+  """Removes the cache directories of runs killed before they could (older
+  than a day, so that a concurrent run's is left alone)."""
+  import glob
+  import shutil
+  import tempfile
+  import time
+  for path in glob.glob(os.path.join(tempfile.gettempdir(),
+                                     _CACHE_PREFIX + "*")):
+    try:
+      if time.time() - os.path.getmtime(path) > max_age_s:
+        shutil.rmtree(path, ignore_errors=True)
+    except OSError:
+      pass
 
 
 def pytest_unconfigure(config):
