@@ -41,11 +41,10 @@ def pytest_configure(config):
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-    # A size limit turns on the cache's file lock around every read and
-    # write: without it one worker could read an entry the other is still
-    # writing (jax would warn and compile again).  Far above what a run
-    # writes, so nothing is evicted.
-    jax.config.update("jax_compilation_cache_max_size", 1 << 34)
+    # No size limit: a limit turns on the cache's file lock, but also a scan
+    # of the whole directory on every write (thousands of entries a run),
+    # which slowed the suite down.  Unlocked, a worker may read an entry the
+    # other is still writing; jax then warns and compiles it again.
 
 
 def _remove_stale_caches(max_age_s: float = 86400.0):
