@@ -39,9 +39,7 @@ def pytest_configure(config):
   if _CACHE_ENV in os.environ:   # a worker (the controller's environment)
     import jax
     jax.config.update("jax_compilation_cache_dir", os.environ[_CACHE_ENV])
-    # only the compiles worth sharing: writing every one (4,182 entries, 44
-    # MB a run) cost about what the hits saved on the whole suite
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
     # No size limit: a limit turns on the cache's file lock, but also a scan
     # of the whole directory on every write (thousands of entries a run),
