@@ -1162,6 +1162,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   if pasa and not (qk == pv == "fp16" and q.dtype == k.dtype == v.dtype
                    == jnp.float16):
     raise ValueError("the PASA kernel takes float16 Q, K', V (qk=pv='fp16')")
+  k_scale_per_block = has_qk_scales and k_block_scale is not None
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
       stages=params.stages, group=n // nk,
@@ -1172,12 +1173,11 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       f16_scores=bool(f16_scores or pasa_running),
       has_shifted=pasa_shifted is not None, has_segments=bool(segments),
       has_qk_scales=has_qk_scales,
-      k_scale_per_block=has_qk_scales and k_block_scale is not None,
+      k_scale_per_block=k_scale_per_block,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
-      prefetch_block_scales=(PREFETCH_BLOCK_SCALES and (
-          v_block_scale is not None
-          or (has_qk_scales and k_block_scale is not None))),
+      prefetch_block_scales=PREFETCH_BLOCK_SCALES and (
+          k_scale_per_block or v_block_scale is not None),
       has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
       p_in_smem=p_in_smem,
