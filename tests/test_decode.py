@@ -17,6 +17,8 @@ METHODS = ("fp32", "pasa", "int8", "fp8", "sage")
 # <= 2e-4 (int8, fp8, sage, pasa) and 9e-4 (fp32: bf16 P) on these shapes
 KERNEL_ATOL = {"fp32": 4e-3, "pasa": 1e-3, "int8": 1e-3, "fp8": 1e-3,
                "sage": 1e-3}
+# jitted, as a serving loop runs it (eagerly every op compiles on its own)
+_append = jax.jit(decode.append)
 
 
 def _normal(seed, shape, dtype=jnp.float32):
@@ -33,8 +35,7 @@ def _filled(method, b, s, nk, d, lengths, *, capacity, seed=0, k=None,
   k = _normal(seed, (b, s, nk, d)) if k is None else k
   v = _normal(seed + 1, (b, s, nk, d)) if v is None else v
   cache = decode.KVCache.create(b, capacity, nk, d, method=method)
-  cache = decode.append(cache, k, v, jnp.zeros(b, jnp.int32),
-                        jnp.asarray(lengths))
+  cache = _append(cache, k, v, jnp.zeros(b, jnp.int32), jnp.asarray(lengths))
   if poison:
     unused = (jnp.arange(capacity)[None, :]
               >= jnp.asarray(lengths)[:, None])[:, None, :]   # [B, 1, S]
@@ -135,14 +136,14 @@ def test_int8_cache_accuracy_on_outlier_keys(method):
   lengths = jnp.array([s])
   cache, _, _ = _filled(method, b, s, nk, d, lengths - t, capacity=s, k=k,
                         v=v, poison=False)
-  cache = decode.append(cache, k[:, s - t:], v[:, s - t:], lengths - t)
+  cache = _append(cache, k[:, s - t:], v[:, s - t:], lengths - t)
   out = decode.decode_attention(q, cache, lengths, method=method,
                                 implementation="triton", num_splits=2)
   fl = decode.float_reference(q, k, v, lengths)
   assert metrics.cosine_similarity(out, fl) >= 0.999
   if method == "int8":   # what smoothing buys: unsmoothed int8 is worse
     raw = decode.KVCache.create(b, s, nk, d, method="int8", smooth_k=False)
-    raw = decode.append(raw, k, v, jnp.zeros(1, jnp.int32))
+    raw = _append(raw, k, v, jnp.zeros(1, jnp.int32))
     out_raw = decode.decode_attention(q, raw, lengths, method="int8",
                                       implementation="reference")
     assert metrics.cosine_similarity(out_raw, fl) < 0.999

@@ -105,17 +105,19 @@ def test_attention_fn_batch_dims_bias_dtype(batch):
   bias = jax.random.normal(ks[3], (4, 20, 24))
   mask = (jnp.arange(24) < 19).astype(jnp.float32)
   mask = jnp.broadcast_to(mask, (*batch, 1, 1, 24))
-  fn = jflax.make_attention_fn("fp32", implementation="reference")
+  # jitted: flax's function run eagerly compiles each of its ops apart
+  fn = jax.jit(jflax.make_attention_fn("fp32", implementation="reference"),
+               static_argnames="dtype")
+  nnx_fn = jax.jit(nnx.dot_product_attention, static_argnames="dtype")
   out = fn(q, k, v, bias=bias, mask=mask, dtype=jnp.bfloat16)
-  ref = nnx.dot_product_attention(q, k, v, bias=bias, mask=mask.astype(bool),
-                                  dtype=jnp.bfloat16)
+  ref = nnx_fn(q, k, v, bias=bias, mask=mask.astype(bool), dtype=jnp.bfloat16)
   assert out.shape == ref.shape == (*batch, 20, 4, 16)
   assert out.dtype == jnp.bfloat16
   # measured 0.0156: one bfloat16 ulp at |out| in [2, 4)
   np.testing.assert_allclose(np.asarray(out, np.float32),
                              np.asarray(ref, np.float32), atol=0.035)
   out32 = fn(q, k, v, bias=bias, mask=mask)
-  ref32 = nnx.dot_product_attention(q, k, v, bias=bias, mask=mask.astype(bool))
+  ref32 = nnx_fn(q, k, v, bias=bias, mask=mask.astype(bool))
   assert out32.dtype == jnp.float32
   assert float(jnp.abs(out32 - ref32).max()) < 2e-6  # measured ~5e-7
 

@@ -7,6 +7,8 @@ through shared memory and a separate accumulator (on the GPU it stays in
 registers and accumulates in the tensor cores); the rest of the kernel,
 barriers and the producer/consumer protocol included, is what runs on the
 GPU (the interpreter checks that every barrier phase is observed)."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -314,8 +316,9 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
   if qk == "fp16":
     q, k = q.astype(jnp.float16), k.astype(jnp.float16)
     v = jnp.zeros((b, s, 1, d), jnp.float16)
-    _, lse = mosaic.mosaic_attention(q, k, v, lens, qk=qk, pv=pv,
-                                     scale=scale, **kw)
+    _, lse = jax.jit(functools.partial(
+        mosaic.mosaic_attention, qk=qk, pv=pv, scale=scale, **kw))(
+            q, k, v, lens)
     tol = 1e-5
   else:   # one scale per token, scale * log2 e folded into Q's
     dt, top = ((jnp.int8, 127.0) if qk == "int8"
@@ -332,13 +335,17 @@ def test_mosaic_log_sum_exp(qk, pv, exact):
     q = q8.astype(jnp.float32) * q_scale[..., None]
     k = k8.astype(jnp.float32) * k_scale[..., None]
     v = jnp.zeros((b, 1, d, s), jnp.int8 if pv == "int8" else dt)
-    _, lse = mosaic.mosaic_attention(
-        q8, k8, v, lens, qk=qk, pv=pv, q_scale=q_scale * (scale * np.log2(
-            np.e)), **kw, **(dict(k_block_scale=blocks.transpose(0, 2, 1))
-                             if qk == "fp8" else dict(k_scale=k_scale)))
+    k_scales = (dict(k_block_scale=blocks.transpose(0, 2, 1))
+                if qk == "fp8" else dict(k_scale=k_scale))
+    _, lse = jax.jit(lambda q8, k8, v, lens, q_scale, k_scales:
+                     mosaic.mosaic_attention(
+                         q8, k8, v, lens, qk=qk, pv=pv, q_scale=q_scale,
+                         **kw, **k_scales))(
+        q8, k8, v, lens, q_scale * (scale * np.log2(np.e)), k_scales)
     tol = 2e-2 if pv == "fp8" else 0.1
-  want = grad.logsumexp(q, k, None, None, lens, scale=scale,
-                        is_causal=True).transpose(0, 2, 1)
+  want = jax.jit(functools.partial(grad.logsumexp, scale=scale,
+                                   is_causal=True))(
+      q, k, None, None, lens).transpose(0, 2, 1)
   assert lse.shape == (b, n, t) and lse.dtype == jnp.float32
   assert np.all(np.isneginf(np.asarray(lse[2])))     # no key: -inf
   err = float(jnp.max(jnp.abs(lse[:2] - want[:2])))
@@ -443,12 +450,13 @@ def test_mosaic_index_mask_matches_dense_mask_reference(method, case):
   im, sees, kv_lens, causal = _index_case(case, b, t, s)
   config = methods.get(method).config_cls.from_options(block_k=64)
   scale = d ** -0.5
-  out = _mosaic_with_index_mask(method, q, k, v, kv_lens, im, scale=scale,
-                                is_causal=causal, config=config)
+  out = jax.jit(functools.partial(
+      _mosaic_with_index_mask, method, scale=scale, is_causal=causal,
+      config=config))(q, k, v, kv_lens, im)
   mask = jnp.asarray(np.broadcast_to(sees[:, None], (b, n, t, s)))
-  ref = reference.ADAPTERS[method].run(q, k, v, None, mask, kv_lens,
-                                       scale=scale, is_causal=False,
-                                       config=config).astype(q.dtype)
+  ref = jax.jit(functools.partial(
+      reference.ADAPTERS[method].run, scale=scale, is_causal=False,
+      config=config))(q, k, v, None, mask, kv_lens).astype(q.dtype)
   out = np.asarray(out, np.float32)
   assert out.shape == (b, t, n, d) and np.isfinite(out).all()
   blind = ~sees.any(-1)                                  # [B, T]
@@ -561,16 +569,18 @@ def test_mosaic_output_lse_is_the_kernels_own():
   config = api.config_for(method, "mosaic")
   static = dict(method=method, implementation="mosaic", scale=scale,
                 is_causal=True, config=config, with_lse=True)
-  out, lse = api._forward(q, k, v, None, None, lens, output_lse=True,
-                          **static)
-  plain, float_lse = api._forward(q, k, v, None, None, lens, **static)
+  out, lse = jax.jit(functools.partial(api._forward, output_lse=True,
+                                       **static))(q, k, v, None, None, lens)
+  plain, float_lse = jax.jit(functools.partial(api._forward, **static))(
+      q, k, v, None, None, lens)
   np.testing.assert_array_equal(np.asarray(out), np.asarray(plain))
   np.testing.assert_array_equal(np.asarray(lse[2]), grad.MASK_VALUE)
   diff = np.abs(np.asarray(lse[:2]) - np.asarray(float_lse[:2]))
   print("max |lse - float lse|", diff.max())
   assert diff.max() < 0.05, diff.max()  # 0.021 measured
-  ops = operands.quantized_operands(method, q, k, v, lens, scale=scale,
-                                    config=config, pack_int4=False)
+  ops = jax.jit(functools.partial(
+      operands.quantized_operands, method, scale=scale, config=config,
+      pack_int4=False))(q, k, v, lens)
   shift = scale * jnp.einsum("btkgd,bkd->btkg",
                              q.astype(jnp.float32).reshape(b, t, nk, 2, d),
                              ops.k_shift).reshape(b, t, n)
@@ -594,8 +604,9 @@ def test_mosaic_sage_chunks_merge_through_the_output_lse():
   static = dict(method="sage", implementation="mosaic", scale=scale,
                 is_causal=False, config=api.config_for("sage", "mosaic"),
                 with_lse=True, output_lse=True)
-  parts = [api._forward(q, k[:, c], v[:, c], None, None,
-                        jnp.full((b,), 64, jnp.int32), **static)
+  forward = jax.jit(functools.partial(api._forward, **static))
+  parts = [forward(q, k[:, c], v[:, c], None, None,
+                   jnp.full((b,), 64, jnp.int32))
            for c in (slice(0, 64), slice(64, 128))]
   (o_a, l_a), (o_b, l_b) = parts
   lse = jnp.logaddexp(l_a, l_b)[..., None]
@@ -649,19 +660,21 @@ def test_mosaic_block_k_scales_equal_per_key_scales(method, opts):
   v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
   lens = jnp.full((b,), 130, jnp.int32)
   cfg = api.config_for(method, "mosaic", **opts)
-  ops = mosaic_backend._prepare(method, q, k, v, lens, scale=d ** -0.5,
-                                config=cfg)
+  ops = jax.jit(functools.partial(mosaic_backend._prepare, method,
+                                  scale=d ** -0.5, config=cfg))(q, k, v, lens)
   per_block = mosaic_backend._k_scales(ops, cfg.block_k)
   assert set(per_block) == {"k_block_scale"}
   if method == "fp8":   # (sage's keys are shifted by their mean first)
     assert float(per_block["k_block_scale"][0, 0, 1]) == 0.0
-  run = lambda exact, **scales: mosaic.mosaic_attention(
-      ops.q, ops.k, ops.v, lens, qk=ops.qk, pv=ops.pv, is_causal=True,
-      params=mosaic.MosaicParams(block_k=cfg.block_k), q_scale=ops.q_scale,
-      q_block_bias=ops.q_block_bias, bias_rows=ops.bias_rows,
-      v_block_scale=ops.v_block_scale, out_scale=ops.out_scale,
-      out_shift=ops.out_shift, v_keys_ordered=ops.v_keys_ordered,
-      exact_exponent=exact, **scales)
+  run = lambda exact, **scales: jax.jit(
+      lambda ops, lens, scales: mosaic.mosaic_attention(
+          ops.q, ops.k, ops.v, lens, qk=ops.qk, pv=ops.pv, is_causal=True,
+          params=mosaic.MosaicParams(block_k=cfg.block_k),
+          q_scale=ops.q_scale, q_block_bias=ops.q_block_bias,
+          bias_rows=ops.bias_rows, v_block_scale=ops.v_block_scale,
+          out_scale=ops.out_scale, out_shift=ops.out_shift,
+          v_keys_ordered=ops.v_keys_ordered, exact_exponent=exact,
+          **scales))(ops, lens, scales)
   fused = np.asarray(run(False, **per_block), np.float32)
   assert np.isfinite(fused).all()
   assert _rel(fused, run(False, k_scale=ops.k_scale)) < TOL_8BIT_P

@@ -4,6 +4,7 @@ against the references: the same quantized values by construction (the
 kernels call the references' quantizers), outputs to accumulation order.
 SageAttention2's int4 Q and K reach the kernel packed two per byte."""
 import dataclasses
+import functools
 import itertools
 
 import numpy as np
@@ -158,9 +159,9 @@ def test_int4_packed_path(monkeypatch):
 
   cfg = sage.SageConfig.from_options(preset="sage2-4b")
   args = (q, k, v, lens)
-  packed = quantized_operands("sage", *args, scale=96 ** -0.5, config=cfg)
-  plain = quantized_operands("sage", *args, scale=96 ** -0.5, config=cfg,
-                             pack_int4=False)
+  quantize = lambda **kw: jax.jit(functools.partial(
+      quantized_operands, "sage", scale=96 ** -0.5, config=cfg, **kw))(*args)
+  packed, plain = quantize(), quantize(pack_int4=False)
   assert (packed.qk, plain.qk) == ("int4", "int8")
   for name, x in (("q", q), ("k", k)):
     assert getattr(packed, name).dtype == jnp.int8
@@ -172,7 +173,8 @@ def test_int4_packed_path(monkeypatch):
     a, b = getattr(packed, field.name), getattr(plain, field.name)
     if field.name not in ("q", "k", "qk") and isinstance(a, jax.Array):
       np.testing.assert_array_equal(a, b)
-  unpacked = triton_backend.ADAPTERS["sage"].kernel(
-      plain, lens, is_causal=True, config=cfg, out_dtype=q.dtype)
+  unpacked = jax.jit(functools.partial(
+      triton_backend.ADAPTERS["sage"].kernel, is_causal=True, config=cfg,
+      out_dtype=q.dtype))(plain, lens)
   np.testing.assert_array_equal(np.asarray(out, np.float32),
                                 np.asarray(unpacked, np.float32))

@@ -2,6 +2,8 @@
 pallas_kernels/quantizers.py, written on BTNH arrays for speed) against the references' (per head through vmap): the same
 quantized values and scales, bit for bit, over every granularity, with key
 padding, GQA and lengths that are not multiples of the groups."""
+import functools
+
 import numpy as np
 import pytest
 
@@ -66,7 +68,8 @@ def test_int8_inputs_equal_reference(opts):
   q, k, v, lens = _inputs(7)
   cfg = int_flash.Int8Config(**opts)
   fast = jax.jit(lambda *a: prepare.int8_inputs(*a, config=cfg))(q, k, v, lens)
-  _assert_same(fast, int_flash.int8_quantize(q, k, v, lens, config=cfg))
+  _assert_same(fast, jax.jit(lambda *a: int_flash.int8_quantize(
+      *a, config=cfg))(q, k, v, lens))
 
 
 @pytest.mark.parametrize("opts", [dict(), dict(granularity="block")], ids=str)
@@ -74,7 +77,8 @@ def test_fp8_inputs_equal_reference(opts):
   q, k, v, lens = _inputs(8)
   cfg = fp8.Fp8Config(**opts)
   fast = jax.jit(lambda *a: prepare.fp8_inputs(*a, config=cfg))(q, k, v, lens)
-  _assert_same(fast, fp8.fp8_quantize(q, k, v, lens, config=cfg))
+  _assert_same(fast, jax.jit(lambda *a: fp8.fp8_quantize(
+      *a, config=cfg))(q, k, v, lens))
 
 
 @pytest.mark.parametrize("method,opts", [
@@ -89,12 +93,13 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
   the kernel's 128-key tile)."""
   q, k, v, lens = _inputs(11, s=250)
   cfg = methods.get(method).config_cls.from_options(**opts)
-  p = prepare.quantized_operands(method, q, k, v, lens, scale=0.1,
-                                config=cfg)
-  ref = {"sage": lambda: sage.sage_quantize(q, k, v, lens, scale=0.1,
-                                            config=cfg),
-         "int8": lambda: int_flash.int8_quantize(q, k, v, lens, config=cfg),
-         "fp8": lambda: fp8.fp8_quantize(q, k, v, lens, config=cfg)}[method]()
+  p = jax.jit(lambda *a: prepare.quantized_operands(
+      method, *a, scale=0.1, config=cfg))(q, k, v, lens)
+  ref = jax.jit({
+      "sage": lambda *a: sage.sage_quantize(*a, scale=0.1, config=cfg),
+      "int8": lambda *a: int_flash.int8_quantize(*a, config=cfg),
+      "fp8": lambda *a: fp8.fp8_quantize(*a, config=cfg)}[method])(
+          q, k, v, lens)
   assert p.v.shape == (2, 2, 64, 250)
   np.testing.assert_array_equal(
       np.asarray(p.v.astype(jnp.float32)),
@@ -182,14 +187,16 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
   fused = jax.jit(lambda *a: prepare.fused_qk(
       method, *a, scale=0.125, config=cfg))(q, k, lens)
   if method == "sage":
-    ref = prepare.sage_inputs(q, k, v, lens, scale=0.125, config=cfg)
+    ref = jax.jit(functools.partial(prepare.sage_inputs, scale=0.125,
+                                    config=cfg))(q, k, v, lens)
     ref_scale = ref["q_scale_folded"] / sage.log2_scale(0.125)
   else:
     quantizer = {"int8": prepare.int8_inputs, "fp8": prepare.fp8_inputs}
     # (the XLA quantizers read NaN/Inf as 0, as quantized_operands
     # hands them the inputs)
-    ref = quantizer[method](nonfinite.finite(q), nonfinite.finite(k), v,
-                            lens, config=cfg)
+    ref = jax.jit(lambda q, k, v, lens: quantizer[method](
+        nonfinite.finite(q), nonfinite.finite(k), v, lens, config=cfg))(
+            q, k, v, lens)
     ref_scale = ref["q_scale"]
     if method == "fp8" and cfg.granularity == "block":  # per row
       ref_scale = jnp.repeat(ref_scale, cfg.block_q, axis=1)[:, :q.shape[1]]
