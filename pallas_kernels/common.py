@@ -289,6 +289,17 @@ def index_operands(kv_lens, index_mask: IndexMask | None, *, t: int,
   return bounds, ranges, segments
 
 
+def row_key_ranges(bounds, *, t_pad: int):
+  """int32 ``[B, 2, t_pad]``: the first and last key each query row sees by
+  its bounds (:func:`row_bounds`; last < first: none), so that a kernel
+  masks a block with two compares per score (and the segment ids)."""
+  row_len, col_len, lower, upper = (bounds[:, c, None] for c in range(4))
+  rows = jnp.arange(t_pad, dtype=jnp.int32)[None]
+  first = jnp.maximum(rows + lower, 0)
+  last = jnp.where(rows < row_len, jnp.minimum(rows + upper, col_len - 1), -1)
+  return jnp.stack([first, last], axis=1)
+
+
 def visible(rows, cols, bounds, *, row_segments=None, col_segments=None,
             mask=None):
   """Boolean: row ``rows`` sees column ``cols`` (absolute int32 indices of

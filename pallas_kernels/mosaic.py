@@ -462,9 +462,10 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
-  (2 block_q), 14]``, one row per query tile, read by every head's CTA
-  (:func:`tile_table`); optional
-  segment ids ``[B, T]`` and ``[B, S]`` int32; optional
+  (2 block_q), 10]``, one row per query tile, read by every head's CTA
+  (:func:`tile_table`); key_range_ref int32 ``[B, 2, T_pad]``, the first and
+  last key each row sees (:func:`common.row_key_ranges`); optional segment
+  ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
   with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
   optional qbias ``[B, N, nqb, S]`` float32 (a base-2 score bias shared by
@@ -478,6 +479,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
   this is ``fl16(beta / (1 - beta))``; None otherwise."""
   refs = list(refs)
+  key_range_ref = refs.pop(0)
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None,) * 2)
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
@@ -503,13 +505,12 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
      qb_bars) = barriers
     tile = lax.axis_index("tile")
-    batch, q_seq, row_len, col_len, lower, upper = (tile_ref[tile, c]
-                                                    for c in range(6))
+    batch, q_seq = tile_ref[tile, 0], tile_ref[tile, 1]
     q_head = lax.axis_index("heads")
     kv_head = lax.div(q_head, jnp.int32(group))
     wg = lax.axis_index("wg")
     tile_base = q_seq * (2 * bq)
-    wg_ranges = [[tile_ref[tile, 6 + 4 * w + c] for c in range(4)]
+    wg_ranges = [[tile_ref[tile, 2 + 4 * w + c] for c in range(4)]
                  for w in range(2)]
     # The CTA streams the union of its warpgroups' key blocks (an empty
     # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
@@ -535,7 +536,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
       # [tile_lo, tile_lo), so that it only drains
       lo, full_lo, full_hi, hi = (
-          jnp.maximum(tile_ref[tile, 6 + 4 * wg + c], tile_lo)
+          jnp.maximum(tile_ref[tile, 2 + 4 * wg + c], tile_lo)
           for c in range(4))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
                               q_smem, q_bars.at[wg])
@@ -547,6 +548,10 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         if not has_qbias:  # the softmax's factor, > 0: an all-zero row's 0
           # becomes tiny, which leaves its scores at 0
           q_scale = jnp.maximum(q_scale, np.float32(np.finfo(np.float32).tiny))
+      # each row's first and last key: a masked block is two compares
+      first_key, last_key = (
+          plgpu.load(key_range_ref.at[batch, c, pl.ds(q_base, bq)],
+                     layout=row_layout, optimized=False) for c in range(2))
       if has_segments:
         q_seg = plgpu.load(qseg_ref.at[batch, pl.ds(q_base, bq)],
                            layout=row_layout, optimized=False)
@@ -644,12 +649,10 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           s = s + lax.broadcast_in_dim(qb, s.shape, [1])
         visible = None
         if masked:
-          rows = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 0,
-                                        layout=plgpu.Layout.WGMMA) + q_base
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
                                         layout=plgpu.Layout.WGMMA) + j * bk
-          visible = common.visible(rows, cols,
-                                   (row_len, col_len, lower, upper))
+          visible = ((cols >= lax.broadcast_in_dim(first_key, s.shape, [0]))
+                     & (cols <= lax.broadcast_in_dim(last_key, s.shape, [0])))
           if has_segments:
             k_seg = loads["k_seg"]()
             visible = visible & (
@@ -974,11 +977,10 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                 collective_axes="wg")
 
 
-def tile_table(bounds, ranges, *, heaviest_first: bool):
-  """int32 ``[B * T_pad / (2 block_q), 14]``, one row per query tile (read
-  by every head's CTA): its batch row, its tile (``2 block_q`` rows), the
-  row's four bounds (:func:`common.row_bounds`) and its two warpgroups'
-  key-block ranges (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad /
+def tile_table(ranges, *, heaviest_first: bool):
+  """int32 ``[B * T_pad / (2 block_q), 10]``, one row per query tile (read
+  by every head's CTA): its batch row, its tile (``2 block_q`` rows) and its
+  two warpgroups' key-block ranges (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad /
   block_q, 4]``).
 
   With ``heaviest_first`` the rows are ordered by the key blocks their two
@@ -990,10 +992,8 @@ def tile_table(bounds, ranges, *, heaviest_first: bool):
   tiles = n_row_blocks // 2
   ranges = ranges.reshape(b, tiles, 8)
   index = lambda axis: lax.broadcasted_iota(jnp.int32, (b, tiles, 1), axis)
-  table = jnp.concatenate(
-      [index(0), index(1),
-       jnp.broadcast_to(bounds[:, None, :], (b, tiles, 4)), ranges],
-      axis=-1).reshape(b * tiles, 14).astype(jnp.int32)
+  table = jnp.concatenate([index(0), index(1), ranges], axis=-1).reshape(
+      b * tiles, 10).astype(jnp.int32)
   if heaviest_first:
     blocks = ((ranges[..., 3] - ranges[..., 0])
               + (ranges[..., 7] - ranges[..., 4])).reshape(b * tiles)
@@ -1108,8 +1108,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bounds, ranges, segments = common.index_operands(
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-  args = [q, k, v, tile_table(bounds, ranges,
-                              heaviest_first=HEAVIEST_FIRST), *segments]
+  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST),
+          common.row_key_ranges(bounds, t_pad=t_pad), *segments]
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
     raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")

@@ -292,6 +292,40 @@ def test_block_ranges_cover_every_visible_block():
             assert not flo <= cb < fhi or (x.all() and not has_mask)
 
 
+def test_row_key_ranges_are_the_visible_keys():
+  """The Mosaic kernel's masked blocks: each row's first and last key
+  (common.row_key_ranges) and the segment ids compared are the visibility
+  of the bounds and ids; padded rows see nothing.  Random lengths,
+  offsets, windows, causal or not, sorted or scattered ids."""
+  rng = np.random.default_rng(1)
+  t, s, t_pad = 37, 45, 64
+  ranges = jax.jit(functools.partial(common.row_key_ranges, t_pad=t_pad))
+  bounds_of = jax.jit(functools.partial(common.row_bounds, t=t),
+                      static_argnames="is_causal")
+  cols = np.arange(s)
+  for trial in range(8):
+    window = (None if trial % 2 else
+              (int(rng.integers(0, 20)), int(rng.integers(0, 20))))
+    im = common.IndexMask(
+        q_lens=jnp.array(rng.integers(0, t + 1, B), jnp.int32),
+        offsets=jnp.array(rng.integers(-5, s + 5, B), jnp.int32),
+        window=window)
+    bounds = bounds_of(jnp.array(rng.integers(0, s + 1, B), jnp.int32), im,
+                       is_causal=bool(trial % 3))
+    key_range = np.asarray(ranges(bounds))
+    assert key_range.shape == (B, 2, t_pad)
+    q_seg, kv_seg = rng.integers(0, 3, (B, t)), rng.integers(0, 3, (B, s))
+    if trial % 4 < 2:
+      q_seg, kv_seg = np.sort(q_seg, 1), np.sort(kv_seg, 1)
+    vis = np.asarray(jaxattn.base.index_visibility(
+        bounds, jnp.asarray(q_seg), jnp.asarray(kv_seg), t=t, s=s))
+    in_range = ((cols >= key_range[:, 0, :t, None])
+                & (cols <= key_range[:, 1, :t, None]))
+    np.testing.assert_array_equal(
+        in_range & (q_seg[:, :, None] == kv_seg[:, None, :]), vis)
+    assert (key_range[:, 1, t:] == -1).all()     # padded rows see nothing
+
+
 def test_bad_index_arguments_raise():
   q, k, v = _inputs(0, 8, 8, jnp.float32)
   cases = [

@@ -391,6 +391,14 @@ INDEX_CASES = {
         bottom_right=False,
         q_seg=[[(0, 1), (64, 2), (131, 3), (160, 4)], [(0, 0)]],
         kv_seg=[[(0, 0), (41, 2), (151, 3), (161, 5), (231, 4)], [(0, 0)]]),
+    # key ids that are not runs in batch row 0 (ids 1 and 2 come back: its
+    # CTAs compare the ids) and are in row 1 (its CTAs take key ranges)
+    "scattered_segments": dict(
+        is_causal=True, window=None, q_lens=[190, 200], kv_lens=[300, 280],
+        bottom_right=False,
+        q_seg=[[(0, 1), (70, 2), (150, 1)], [(0, 1), (90, 2), (170, 0)]],
+        kv_seg=[[(0, 1), (40, 2), (100, 1), (170, 2), (230, 3)],
+                [(0, 1), (90, 2), (170, 0)]]),
     # a window of one key behind the diagonal: most key blocks skipped,
     # warpgroups of a tile start at different blocks (leading drains)
     "window_1": dict(is_causal=True, window=(1, 0), q_lens=[200, 60],
@@ -434,7 +442,7 @@ def _mosaic_with_index_mask(method, q, k, v, kv_lens, im, *, scale,
 @pytest.mark.parametrize("method,case", [
     ("fp32", "window"), ("fp32", "segments"), ("pasa", "window"),
     ("pasa", "segments"), ("sage", "segments"), ("int8", "window"),
-    ("fp8", "segments")], ids=str)
+    ("fp8", "segments"), ("fp32", "scattered_segments")], ids=str)
 def test_mosaic_index_mask_matches_dense_mask_reference(method, case):
   """Query lengths, a bottom-right offset, a local window and packed
   segment ids, from indices in the kernel, against the reference with the
@@ -507,7 +515,7 @@ def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
 
 def test_tile_table_lists_every_cta_once_longest_first():
   """The kernel's CTAs (one per 128-row query tile and batch row) carry
-  their row's bounds and their warpgroups' key-block ranges; longest first,
+  their batch row, tile and warpgroups' key-block ranges; longest first,
   each CTA appears once, the key blocks never grow down the list, and ties
   keep the natural order (so uniform tiles keep it)."""
   from pallas_kernels import common, mosaic
@@ -516,17 +524,15 @@ def test_tile_table_lists_every_cta_once_longest_first():
                              is_causal=True)
   ranges = common.block_ranges(bounds, n_row_blocks=8, block_r=64,
                                block_c=128, has_mask=False)
-  natural = np.asarray(mosaic.tile_table(bounds, ranges,
-                                         heaviest_first=False))
-  b_np, r_np = np.asarray(bounds), np.asarray(ranges)
-  assert natural.shape == (8, 14)
+  natural = np.asarray(mosaic.tile_table(ranges, heaviest_first=False))
+  r_np = np.asarray(ranges)
+  assert natural.shape == (8, 10)
   for row, (batch, tile) in zip(natural, np.ndindex(2, 4)):
     assert (row[0], row[1]) == (batch, tile)
-    np.testing.assert_array_equal(row[2:6], b_np[batch])
-    np.testing.assert_array_equal(row[6:14],
+    np.testing.assert_array_equal(row[2:10],
                                   r_np[batch, 2 * tile:2 * tile + 2].ravel())
-  first = np.asarray(mosaic.tile_table(bounds, ranges, heaviest_first=True))
-  blocks = lambda t: (t[:, 9] - t[:, 6]) + (t[:, 13] - t[:, 10])
+  first = np.asarray(mosaic.tile_table(ranges, heaviest_first=True))
+  blocks = lambda t: (t[:, 5] - t[:, 2]) + (t[:, 9] - t[:, 6])
   assert sorted(map(tuple, first)) == sorted(map(tuple, natural))
   assert np.all(np.diff(blocks(first)) <= 0)
   assert blocks(first)[0] == 8 and tuple(first[0, :2]) == (0, 3)
@@ -541,8 +547,8 @@ def test_tile_table_lists_every_cta_once_longest_first():
   uniform = common.block_ranges(full, n_row_blocks=8, block_r=64,
                                 block_c=128, has_mask=False)
   np.testing.assert_array_equal(
-      mosaic.tile_table(full, uniform, heaviest_first=True),
-      mosaic.tile_table(full, uniform, heaviest_first=False))
+      mosaic.tile_table(uniform, heaviest_first=True),
+      mosaic.tile_table(uniform, heaviest_first=False))
 
 
 def test_mosaic_output_lse_is_the_kernels_own():

@@ -1,6 +1,7 @@
 """What the Mosaic kernel's index operands cost outside the kernel: the
 row bounds, the block ranges (with packed segment ids: their per-block
-summaries) and the longest-first tile table, jitted alone, for the
+summaries), the longest-first tile table and each row's first and last
+key, jitted alone, for the
 2x8192 causal and packed calls of ``benchmarks/index_mask.py``:
 
     python benchmarks/profiles/index_operands.py
@@ -30,7 +31,8 @@ def operands(lens, segs):
   bounds, ranges, segments = common.index_operands(
       lens, im, t=t, s=t, is_causal=True, t_pad=t, s_pad=t, block_q=bq,
       block_k=bk, has_mask=False)
-  return mosaic.tile_table(bounds, ranges, heaviest_first=True), segments
+  return (mosaic.tile_table(ranges, heaviest_first=True),
+          common.row_key_ranges(bounds, t_pad=t), segments)
 
 
 for name, args in (("causal", (lens, None)), ("packed", (lens, segs))):
