@@ -979,9 +979,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
 
 def tile_table(ranges, *, heaviest_first: bool):
   """int32 ``[B * T_pad / (2 block_q), 10]``, one row per query tile (read
-  by every head's CTA): its batch row, its tile (``2 block_q`` rows) and its
-  two warpgroups' key-block ranges (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad /
-  block_q, 4]``).
+  by every head's CTA): its batch row, its tile (``2 block_q`` rows) and
+  its two warpgroups' key-block ranges (:func:`common.block_ranges`,
+  ``ranges`` ``[B, T_pad / block_q, 4]``).
 
   With ``heaviest_first`` the rows are ordered by the key blocks their two
   warpgroups compute, most first (a stable sort): the hardware hands each

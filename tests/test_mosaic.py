@@ -391,8 +391,8 @@ INDEX_CASES = {
         bottom_right=False,
         q_seg=[[(0, 1), (64, 2), (131, 3), (160, 4)], [(0, 0)]],
         kv_seg=[[(0, 0), (41, 2), (151, 3), (161, 5), (231, 4)], [(0, 0)]]),
-    # key ids that are not runs in batch row 0 (ids 1 and 2 come back: its
-    # CTAs compare the ids) and are in row 1 (its CTAs take key ranges)
+    # segment ids that are not sorted runs: in batch row 0 ids 1 and 2 come
+    # back after another document, in row 1 the last id is 0
     "scattered_segments": dict(
         is_causal=True, window=None, q_lens=[190, 200], kv_lens=[300, 280],
         bottom_right=False,
