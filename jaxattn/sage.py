@@ -441,7 +441,10 @@ def sage_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
       s = s + x["ds"]
     if "bias" in x:
       s = s + x["bias"]
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    # one float32 value of each score for the max and the exponent: a
+    # fusion may recompute s in each consumer, rounded differently, and at
+    # scores ~1e10 an ulp of difference puts s - m above 0 (P overflows)
+    s = rounded(jnp.where(x["visible"], s, -jnp.inf))
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
     p = jnp.exp2(s - m_ref[:, None])
