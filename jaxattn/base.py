@@ -232,6 +232,16 @@ def softmax_state(t: int, dv: int, dtype=jnp.float32):
           jnp.zeros((t, dv), dtype))
 
 
+def visible_scores(s, visible):
+  """``s`` with the hidden scores at ``-inf``, materialised once behind an
+  optimisation barrier, so that the row max and the exponent read the same
+  float32 value of each score.  Without it a fusion may recompute the
+  score in each consumer, rounded differently (a multiply and an add
+  contracted in one of them); at scores near 1e10, where an ulp is ~1000,
+  that puts ``s - m`` above 0 and P overflows."""
+  return jax.lax.optimization_barrier(jnp.where(visible, s, -jnp.inf))
+
+
 def safe_max(m):
   """``m`` with ``-inf`` replaced by 0, so that ``exp(s - m)`` of a row that
   has seen no key yet is ``exp(-inf) = 0`` rather than NaN."""

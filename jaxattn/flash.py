@@ -91,7 +91,7 @@ def flash_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s = s.astype(stat) * jnp.asarray(scale, stat)
     if "bias" in x:
       s = s + x["bias"].astype(stat)
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    s = base.visible_scores(s, x["visible"])
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
     e = base.exp_f32(s - m_ref[:, None])   # float32 exponentials

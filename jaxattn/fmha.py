@@ -206,7 +206,7 @@ def fmha_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s = s_int.astype(f32) * s_factor
     if "bias" in x:
       s = s + x["bias"]
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    s = base.visible_scores(s, x["visible"])
     mt = s.max(axis=-1)
     p = jnp.exp(s - base.safe_max(mt)[:, None])
     lt = p.sum(axis=-1)

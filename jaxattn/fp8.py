@@ -154,7 +154,7 @@ def fp8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s = s * sq[:, None] * sk * scale
     if "bias" in x:
       s = s + x["bias"]
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    s = base.visible_scores(s, x["visible"])
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
     p = jnp.exp(s - m_ref[:, None])

@@ -217,7 +217,7 @@ def int8_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     s = s_int.astype(f32) * sq[:, None] * x["k_scale"][None, :] * scale
     if "bias" in x:
       s = s + x["bias"]
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    s = base.visible_scores(s, x["visible"])
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
     e = jnp.exp(s - m_ref[:, None])

@@ -502,7 +502,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     if "bias" in x:
       b = x["bias"] if res == 1.0 else x["bias"] * jnp.float32(1.0 / res)
       s = s + b.astype(cd)
-    s = jnp.where(x["visible"], s, -jnp.inf)
+    s = base.visible_scores(s, x["visible"])
     m_loc = s.max(axis=-1)                                   # step 1
     # S' - m' in the state dtype (Algorithm 1: float16, rounded)
     e = exp(s.astype(sd) - base.safe_max(m_loc).astype(sd)[:, None])

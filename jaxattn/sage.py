@@ -441,10 +441,7 @@ def sage_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
       s = s + x["ds"]
     if "bias" in x:
       s = s + x["bias"]
-    # one float32 value of each score for the max and the exponent: a
-    # fusion may recompute s in each consumer, rounded differently, and at
-    # scores ~1e10 an ulp of difference puts s - m above 0 (P overflows)
-    s = rounded(jnp.where(x["visible"], s, -jnp.inf))
+    s = base.visible_scores(s, x["visible"])
     m_new = jnp.maximum(m, s.max(axis=-1))
     m_ref = base.safe_max(m_new)
     p = jnp.exp2(s - m_ref[:, None])

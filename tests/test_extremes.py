@@ -19,6 +19,11 @@ values:
   V at long sequences whatever its scale: its reference measures 0.22 at
   1000 keys, against 3.9e-2 on normal V; the README's limits.)
 """
+import os
+import pathlib
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -137,3 +142,44 @@ def check(case, shape):
         assert abs(err - unit) <= 0.05 * unit + 1e-4, (label, err, unit)
       checked += 1
   assert checked >= 18, checked
+
+
+_REFERENCES_AT_MAX = """
+import sys
+import numpy as np
+import jax.numpy as jnp
+import jaxattn
+r = np.random.default_rng(11)
+signs = lambda *s: np.where(r.random(s) < 0.5, -1.0, 1.0)
+q = jnp.asarray(65504.0 * signs(1, 40, 2, 64), jnp.float16)
+k = jnp.asarray(65504.0 * signs(1, 70, 2, 64), jnp.float16)
+v = jnp.asarray(r.standard_normal((1, 70, 2, 64)), jnp.float16)
+outs = []
+for method in jaxattn.METHODS:
+  out = jaxattn.dot_product_attention(q, k, v, method=method,
+                                      implementation="reference")
+  outs.append(np.asarray(out[0] if isinstance(out, tuple) else out,
+                         np.float32))
+np.save(sys.argv[1], np.stack(outs))
+"""
+
+
+def test_references_do_not_depend_on_xla_optimisation(tmp_path):
+  """At Q, K = +-65504 (base-2 scores ~1e10, where an ulp is ~1000) each
+  reference's row max and exponent read one float32 value of each score
+  (``base.visible_scores``), so XLA's code generation cannot put s - m
+  above 0 in one of them: every method's reference gives the same bits at
+  XLA's backend optimisation level 0 and the default (level 0 made 10% of
+  sage's rows NaN before), finite except where the method overflows by
+  design."""
+  outs = []
+  for flags in ("--xla_backend_optimization_level=0", ""):
+    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
+    path = tmp_path / f"out{len(outs)}.npy"
+    subprocess.run([sys.executable, "-c", _REFERENCES_AT_MAX, str(path)],
+                   env=env, check=True, cwd=pathlib.Path(__file__).parents[1],
+                   capture_output=True, timeout=600)
+    outs.append(np.load(path))
+  for method, level0, default in zip(jaxattn.METHODS, *outs):
+    np.testing.assert_array_equal(level0, default, err_msg=method)
+    assert np.isfinite(level0).all() or _by_design(method, "max"), method

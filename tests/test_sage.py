@@ -5,10 +5,6 @@ against numpy, the blocked loop against an independent numpy emulation, and
 the usual attention contract (causal, padding, GQA, bias/mask, dtypes,
 jit/vmap, degenerate inputs, option validation)."""
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import ml_dtypes
 import numpy as np
@@ -494,36 +490,3 @@ def test_choose_precision_picks_8bit_for_the_worst_layers():
   with pytest.raises(ValueError, match="xi_percent"):
     jaxattn.choose_precision(calib, xi_percent=120)
 
-
-_EXTREME_SCORES = """
-import sys
-import numpy as np
-import jax.numpy as jnp
-import jaxattn
-r = np.random.default_rng(11)
-signs = lambda *s: np.where(r.random(s) < 0.5, -1.0, 1.0)
-q = jnp.asarray(65504.0 * signs(1, 40, 2, 64), jnp.float16)
-k = jnp.asarray(65504.0 * signs(1, 70, 2, 64), jnp.float16)
-v = jnp.asarray(r.standard_normal((1, 70, 2, 64)), jnp.float16)
-np.save(sys.argv[1], np.asarray(jaxattn.dot_product_attention(
-    q, k, v, method="sage", implementation="reference"), np.float32))
-"""
-
-
-def test_reference_does_not_depend_on_xla_optimisation(tmp_path):
-  """At float16's extremes (Q, K = +-65504: base-2 scores ~1e10, where an
-  ulp is ~1000) the reference's row max and exponent read one float32
-  value of each score, so XLA's code generation cannot move s - m above 0
-  in one of them: the output is the same bits at XLA's backend
-  optimisation levels 0 and the default (level 0 made 10% of these rows
-  NaN before), and finite."""
-  outs = []
-  for flags in ("--xla_backend_optimization_level=0", ""):
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    path = tmp_path / f"out{len(outs)}.npy"
-    subprocess.run([sys.executable, "-c", _EXTREME_SCORES, str(path)],
-                   env=env, check=True, cwd=pathlib.Path(__file__).parents[1],
-                   capture_output=True, timeout=600)
-    outs.append(np.load(path))
-  assert np.isfinite(outs[0]).all()
-  np.testing.assert_array_equal(outs[0], outs[1])
