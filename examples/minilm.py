@@ -128,18 +128,27 @@ def _encode(weights, input_ids, attention_mask, *, config, attention):
   x = _layer_norm(x, w["embeddings.LayerNorm.weight"],
                   w["embeddings.LayerNorm.bias"], eps)
   lengths = attention_mask.sum(-1).astype(jnp.int32)  # right padding
-  for i in range(config["num_hidden_layers"]):
-    p = f"encoder.layer.{i}."
-    q, k, v = (_linear(x, w, p + f"attention.self.{n}").reshape(
+
+  def layer(x, lw):
+    q, k, v = (_linear(x, lw, f"attention.self.{n}").reshape(
         b, t, heads, head_dim) for n in ("query", "key", "value"))
     a = attention(q, k, v, key_value_seq_lengths=lengths)
-    a = _linear(a.reshape(b, t, heads * head_dim), w, p + "attention.output.dense")
-    x = _layer_norm(x + a, w[p + "attention.output.LayerNorm.weight"],
-                    w[p + "attention.output.LayerNorm.bias"], eps)
-    h = jax.nn.gelu(_linear(x, w, p + "intermediate.dense"), approximate=False)
-    h = _linear(h, w, p + "output.dense")
-    x = _layer_norm(x + h, w[p + "output.LayerNorm.weight"],
-                    w[p + "output.LayerNorm.bias"], eps)
+    a = _linear(a.reshape(b, t, heads * head_dim), lw, "attention.output.dense")
+    x = _layer_norm(x + a, lw["attention.output.LayerNorm.weight"],
+                    lw["attention.output.LayerNorm.bias"], eps)
+    h = jax.nn.gelu(_linear(x, lw, "intermediate.dense"), approximate=False)
+    h = _linear(h, lw, "output.dense")
+    return _layer_norm(x + h, lw["output.LayerNorm.weight"],
+                       lw["output.LayerNorm.bias"], eps), None
+
+  # the layers' weights stacked, one scan: the attention is traced and
+  # compiled once, not once per layer
+  n_layers = config["num_hidden_layers"]
+  names = [n[len("encoder.layer.0."):] for n in w
+           if n.startswith("encoder.layer.0.")]
+  stacked = {n: jnp.stack([w[f"encoder.layer.{i}.{n}"]
+                           for i in range(n_layers)]) for n in names}
+  x, _ = jax.lax.scan(layer, x, stacked)
   m = attention_mask[..., None].astype(x.dtype)
   pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)
   return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True),
