@@ -98,11 +98,11 @@ def test_attention_fn_batch_dims_bias_dtype(batch):
   """The function alone against ``nnx.dot_product_attention``: no, one and
   two batch dims, a float bias without batch dims, a float 0/1 mask (flax
   casts it to bool) with batch dims, and ``dtype`` setting the output."""
-  ks = jax.random.split(jax.random.key(2), 4)
-  q = jax.random.normal(ks[0], (*batch, 20, 4, 16))
-  k = jax.random.normal(ks[1], (*batch, 24, 4, 16))
-  v = jax.random.normal(ks[2], (*batch, 24, 4, 16))
-  bias = jax.random.normal(ks[3], (4, 20, 24))
+  # numpy's generator: jax.random's would compile once per shape
+  rng = np.random.default_rng(2)
+  q, k, v, bias = (jnp.asarray(rng.standard_normal(shape), jnp.float32)
+                   for shape in ((*batch, 20, 4, 16), (*batch, 24, 4, 16),
+                                 (*batch, 24, 4, 16), (4, 20, 24)))
   mask = (jnp.arange(24) < 19).astype(jnp.float32)
   mask = jnp.broadcast_to(mask, (*batch, 1, 1, 24))
   # jitted: flax's function run eagerly compiles each of its ops apart

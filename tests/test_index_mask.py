@@ -243,6 +243,26 @@ def test_nonfinite_key_reaches_only_its_segment():
     np.testing.assert_array_equal(bad, expect)
 
 
+@functools.partial(jax.jit, static_argnames=(
+    "t", "rows", "cols", "is_causal", "transpose", "n_row_blocks", "block_r",
+    "block_c", "has_mask"))
+def _ranges_and_visibility(kv_lens, im, row_seg, col_seg, *, t, rows, cols,
+                           is_causal, transpose, n_row_blocks, block_r,
+                           block_c, has_mask):
+  """``common.block_ranges`` and the visibility it must cover, over rows
+  (queries, or keys with ``transpose``), in one compile."""
+  bounds = common.row_bounds(kv_lens, im, t=t, is_causal=is_causal)
+  if transpose:
+    bounds = common.transpose_bounds(bounds)
+  ranges = common.block_ranges(bounds, row_seg, col_seg,
+                               n_row_blocks=n_row_blocks, block_r=block_r,
+                               block_c=block_c, has_mask=has_mask)
+  vis = jaxattn.base.index_visibility(bounds, row_seg, col_seg, t=rows,
+                                      s=cols)
+  return ranges, vis
+
+
+@pytest.mark.slow
 def test_block_ranges_cover_every_visible_block():
   """Random bounds, lengths and (sorted or scattered) segment ids: no block
   a row sees is skipped, and no "full" block hides a masked score."""
@@ -266,19 +286,15 @@ def test_block_ranges_cover_every_visible_block():
         offsets=jnp.array(offsets, jnp.int32),
         q_segments=jnp.array(q_seg, jnp.int32),
         kv_segments=jnp.array(kv_seg, jnp.int32), window=window)
-    bounds = common.row_bounds(jnp.array(kv_lens, jnp.int32), im, t=t,
-                               is_causal=is_causal)
     for transpose in (False, True):
-      bb = common.transpose_bounds(bounds) if transpose else bounds
       rs, cs = (kv_seg, q_seg) if transpose else (q_seg, kv_seg)
       rows, cols = (s, t) if transpose else (t, s)
       nrb = -(-rows // br)
-      ranges = np.asarray(common.block_ranges(
-          bb, jnp.array(rs, jnp.int32), jnp.array(cs, jnp.int32),
-          n_row_blocks=nrb, block_r=br, block_c=bc, has_mask=has_mask))
-      vis = np.asarray(jaxattn.base.index_visibility(
-          bb, jnp.array(rs, jnp.int32), jnp.array(cs, jnp.int32), t=rows,
-          s=cols))
+      ranges, vis = (np.asarray(x) for x in _ranges_and_visibility(
+          jnp.array(kv_lens, jnp.int32), im, jnp.array(rs, jnp.int32),
+          jnp.array(cs, jnp.int32), t=t, rows=rows, cols=cols,
+          is_causal=is_causal, transpose=transpose, n_row_blocks=nrb,
+          block_r=br, block_c=bc, has_mask=has_mask))
       vis = np.pad(vis, ((0, 0), (0, nrb * br - rows),
                          (0, -(-cols // bc) * bc - cols)))
       for b in range(B):

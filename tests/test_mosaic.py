@@ -88,6 +88,7 @@ def test_mosaic_interpreted_matches_reference(method, opts):
     assert _rel(out, ref) < TOL, (seed, _rel(out, ref))
 
 
+@pytest.mark.slow
 def test_mosaic_fmha_int8_matches_reference_and_triton():
   """The 8-bit FMHA on the Hopper kernel (uint8 P against each block's own
   row max, ``(P - 128) V + 128 colsum(V)``): its int8 output within one
@@ -490,21 +491,22 @@ def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
   k = jax.random.normal(kk, (b, s, 1, d), jnp.float16)
   v = jax.random.normal(kv, (b, s, 1, d), jnp.float16)
   im, sees, kv_lens, causal = _index_case("window_1", b, t, s)
-  ranges = np.asarray(common.block_ranges(
+  ranges = np.asarray(jax.jit(lambda kv_lens, im: common.block_ranges(
       common.row_bounds(kv_lens, im, t=t, is_causal=causal), n_row_blocks=4,
-      block_r=64, block_c=64, has_mask=False))
+      block_r=64, block_c=64, has_mask=False))(kv_lens, im))
   lo, hi = ranges[..., 0], ranges[..., 3]
   assert np.all(hi - lo <= 2) and lo[0, 3] == 2
   assert np.any(lo[:, 0::2] < lo[:, 1::2])      # a tile's leading drain
   assert np.all(ranges[1, 2:] == 0)             # a tile without a key
   config = methods.get(method).config_cls.from_options(block_k=64)
   scale = d ** -0.5
-  out = _mosaic_with_index_mask(method, q, k, v, kv_lens, im, scale=scale,
-                                is_causal=causal, config=config)
+  out = jax.jit(functools.partial(
+      _mosaic_with_index_mask, method, scale=scale, is_causal=causal,
+      config=config))(q, k, v, kv_lens, im)
   mask = jnp.asarray(sees[:, None])
-  ref = reference.ADAPTERS[method].run(q, k, v, None, mask, kv_lens,
-                                       scale=scale, is_causal=False,
-                                       config=config).astype(q.dtype)
+  ref = jax.jit(functools.partial(
+      reference.ADAPTERS[method].run, scale=scale, is_causal=False,
+      config=config))(q, k, v, None, mask, kv_lens).astype(q.dtype)
   out = np.asarray(out, np.float32)
   blind = ~sees.any(-1)
   assert np.all(out[blind] == 0.0)
@@ -551,6 +553,7 @@ def test_tile_table_lists_every_cta_once_longest_first():
       mosaic.tile_table(uniform, heaviest_first=False))
 
 
+@pytest.mark.slow
 def test_mosaic_output_lse_is_the_kernels_own():
   """``output_lse`` (what the ring's merge takes) is the quantized kernel's
   log-sum-exp, with the score shift of SageAttention's key smoothing added
