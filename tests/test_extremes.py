@@ -65,6 +65,7 @@ def _by_design(method, case):
 CASES = ["max", "near_max", "subnormal", "v_max"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 def test_every_method_and_backend_at_float16_extremes(case):
   check(case, SHAPE)
@@ -164,6 +165,7 @@ np.save(sys.argv[1], np.stack(outs))
 """
 
 
+@pytest.mark.slow
 def test_references_do_not_depend_on_xla_optimisation(tmp_path):
   """At Q, K = +-65504 (base-2 scores ~1e10, where an ulp is ~1000) each
   reference's row max and exponent read one float32 value of each score

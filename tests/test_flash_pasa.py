@@ -485,6 +485,7 @@ def check_pasa_is_fp16_fp32(implementation, dist, am, shape):
   assert (per_block != np.asarray(run(q, k, v, method="fp16_fp32"))).any()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("implementation", ["reference", "triton", "mosaic"])
 @pytest.mark.parametrize("dist, am", [("uniform", 0.5), ("hybrid", 10.0)])
 def test_pasa_is_fp16_fp32_where_no_block_is_shifted(implementation, dist,
@@ -600,6 +601,7 @@ def test_resonance_overflows_fp16_fp32_but_not_pasa():
   assert metrics.nan_fraction(attn(q2, k2, v2, "fp16_fp32")) == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_dim", [32, 256])
 def test_every_method_at_the_extreme_head_dims(head_dim):
   """Head dims 32 and 256 (the supported range's ends) for every reference,

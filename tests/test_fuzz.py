@@ -16,6 +16,7 @@ to 1e4.  Each example checks:
 import os
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
@@ -97,6 +98,7 @@ def _inputs(c):
 EXAMPLES = int(os.environ.get("JAXATTN_FUZZ_EXAMPLES", "70"))
 
 
+@pytest.mark.slow
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           phases=(Phase.explicit, Phase.generate),  # no shrinking: slow
           suppress_health_check=[HealthCheck.too_slow])

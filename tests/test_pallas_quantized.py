@@ -70,6 +70,7 @@ def test_fmha_int8_output_matches_reference():
   assert diff.max() <= 1 and diff.mean() < 0.01
 
 
+@pytest.mark.slow
 def test_bias_mask_and_empty_rows():
   q, k, v = _inputs(4, 2, 40, 90, 2, 2, 64)
   bias = jax.random.normal(jax.random.key(5), (2, 2, 40, 90))
@@ -134,6 +135,7 @@ def test_pack_int4_halves_round_trip_and_layout(d):
   np.testing.assert_array_equal(quant.unpack_int4_halves(packed), x)
 
 
+@pytest.mark.slow
 def test_int4_packed_path(monkeypatch):
   """sage2-4b through the kernel takes the packed path (D=96, odd lengths,
   causal, GQA): Q and K reach it as D/2 int8 bytes (half the bytes of the

@@ -2,9 +2,12 @@
 and its JSON is written."""
 import json
 
+import pytest
+
 from jaxattn import __main__ as cli
 
 
+@pytest.mark.slow
 def test_report_quick_through_the_cli(tmp_path, capsys):
   """``python -m jaxattn report --quick --json F``: the tables printed and
   written, with the paper's orderings."""

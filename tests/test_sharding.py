@@ -22,6 +22,7 @@ GROUPS = {   # balanced for two workers
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(GROUPS))
 def test_multidevice(group):
   env = dict(os.environ)
