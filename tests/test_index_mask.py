@@ -362,6 +362,7 @@ def test_segment_runs_are_each_documents_positions():
     np.testing.assert_array_equal(in_run, same)
     im = common.IndexMask(
         q_lens=jnp.array(rng.integers(0, t + 1, B), jnp.int32),
+        offsets=jnp.array(rng.integers(-5, 6, B), jnp.int32),
         window=None if trial % 2 else (int(rng.integers(0, 9)), 3))
     bounds = common.row_bounds(jnp.array(rng.integers(0, t + 1, B),
                                          jnp.int32), im, t=t,
@@ -373,6 +374,7 @@ def test_segment_runs_are_each_documents_positions():
     np.testing.assert_array_equal(
         (cols >= key_range[:, 0, :t, None])
         & (cols <= key_range[:, 1, :t, None]), vis)
+    assert (key_range[:, 1, t:] == -1).all()     # padded rows see nothing
   scattered = np.array([[0, 0, 1, 1, 0, 2], [0, 1, 1, 2, 2, 2]], np.int32)
   assert not bool(runs_of(jnp.asarray(scattered))[0])
 

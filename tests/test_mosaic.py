@@ -484,8 +484,9 @@ def test_mosaic_self_segments_fold_into_key_ranges(method, is_causal):
   ``kv_segment_ids`` is left out): where every document is one run of
   positions, each row's document is folded into its key range and the
   masked blocks compare no ids; the output is the same bits as with the
-  id compare, and the dense-mask reference's.  Ids that come back after
-  another document keep the id compare."""
+  id compare, and the dense-mask reference's (bottom-right alignment,
+  query and key lengths, a window).  Ids that come back after another
+  document keep the id compare."""
   from jaxattn import methods
   from jaxattn.backends import reference
   from pallas_kernels import common
@@ -503,6 +504,11 @@ def test_mosaic_self_segments_fold_into_key_ranges(method, is_causal):
                    _segment_ids([(0, 5), (128, 6), (255, 7)], t)])
   scattered = np.stack([_segment_ids([(0, 1), (70, 2), (150, 1)], t),
                         _segment_ids([(0, 1), (90, 2), (170, 0)], t)])
+  # the check the call makes: these ids are runs, those are not
+  assert bool(common.segment_runs(jnp.asarray(runs))[0])
+  assert not bool(common.segment_runs(jnp.asarray(scattered))[0])
+  # bottom-right alignment: the diagonal moves, the documents do not
+  offsets = kv_lens - q_lens
   config = methods.get(method).config_cls.from_options(block_k=64)
   scale = d ** -0.5
   run = jax.jit(functools.partial(
@@ -510,18 +516,18 @@ def test_mosaic_self_segments_fold_into_key_ranges(method, is_causal):
       config=config))
   for ids in (runs, scattered):
     outs = [np.asarray(run(q, k, v, kv_lens, common.IndexMask(
-        q_lens=q_lens, q_segments=jnp.asarray(ids),
+        q_lens=q_lens, offsets=offsets, q_segments=jnp.asarray(ids),
         kv_segments=jnp.asarray(ids), window=(100, 30),
         self_segments=folded)), np.float32) for folded in (True, False)]
     np.testing.assert_array_equal(outs[0], outs[1])
-  sees = _sees(kv_lens, q_lens, np.zeros(b), (100, 30), is_causal, runs,
-               runs, t, t)
+  sees = _sees(kv_lens, q_lens, np.asarray(offsets), (100, 30), is_causal,
+               runs, runs, t, t)
   mask = jnp.asarray(sees[:, None])
   ref = jax.jit(functools.partial(
       reference.ADAPTERS[method].run, scale=scale, is_causal=False,
       config=config))(q, k, v, None, mask, kv_lens).astype(q.dtype)
   out = np.asarray(run(q, k, v, kv_lens, common.IndexMask(
-      q_lens=q_lens, q_segments=jnp.asarray(runs),
+      q_lens=q_lens, offsets=offsets, q_segments=jnp.asarray(runs),
       kv_segments=jnp.asarray(runs), window=(100, 30), self_segments=True)),
       np.float32)
   blind = ~sees.any(-1)
