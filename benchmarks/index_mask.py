@@ -32,7 +32,8 @@ import numpy as np
 
 sys.path.insert(0, ".")
 import jaxattn  # noqa: E402
-from jaxattn.tuning import packed_segments, time_call  # noqa: E402
+from jaxattn.tuning import (jit_with_array_options,  # noqa: E402
+                            packed_segments, time_call)
 from pallas_kernels import common  # noqa: E402
 
 TILE = 128
@@ -94,10 +95,11 @@ def kernels_alone(method, impl, x, w, iters, reps):
     # which takes float32 from the kernel, as the method's run does)
     out_dtype = (jnp.float32 if getattr(ops, "out_row_scale", None)
                  is not None else jnp.float16)
-    fn = jax.jit(lambda ops, lens, index_mask=index_mask, dt=out_dtype:
+    # (the index mask as the call's data, not constants of it)
+    fn = jax.jit(lambda ops, lens, index_mask, dt=out_dtype:
                  adapter.kernel(ops, lens, is_causal=True, config=cfg,
                                 out_dtype=dt, index_mask=index_mask))
-    out.append(time_call(fn, (ops, lens), iters, reps))
+    out.append(time_call(fn, (ops, lens, index_mask), iters, reps))
   return tuple(out)
 
 
@@ -138,8 +140,9 @@ def main(argv=None):
                      *x, is_causal=True, method=method, **w["kw"]))
       try:
         t_full = time_call(jax.jit(run), x, args.iters, args.reps)
-        t_mask = time_call(jax.jit(functools.partial(run, **w["kw"])), x,
-                           args.iters, args.reps)
+        # (the segment ids as the call's data, not constants of it)
+        masked, arrays = jit_with_array_options(run, w["kw"])
+        t_mask = time_call(masked, (*x, arrays), args.iters, args.reps)
         kernel_times = kernels_alone(method, row["backend"], x, w,
                                      args.iters, args.reps)
       except Exception as e:  # noqa: BLE001  (recorded, not hidden)

@@ -45,9 +45,9 @@ def main():
     calls = {}
     for name in a.methods.split(","):
       method, opts = METHODS[name]
-      fn = jax.jit(lambda q, k, v, method=method, opts=opts:
-                   api.dot_product_attention(q, k, v, is_causal=causal,
-                                             method=method, **opts))
+      fn = jax.jit(lambda q, k, v, method=method, opts=opts,
+                   causal=causal: api.dot_product_attention(
+                       q, k, v, is_causal=causal, method=method, **opts))
       calls[name] = (fn.lower(*qkv).compile(), qkv)
     for row in alternating_rounds(calls, rounds=a.rounds,
                                   reference=cudnn_reference(*qkv, causal),

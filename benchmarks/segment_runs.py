@@ -11,8 +11,9 @@ step.  ``runs``: where the ids are the same for queries and keys
 (``kv_segment_ids`` left out) and every document is one run of positions
 (``common.segment_runs``), each row's document is folded into its first
 and last key and the masked blocks compare no ids.  Packed rows (8
-documents of random lengths a row, ``q_segment_ids`` only), and a plain
-call without segments as the control.  The outputs must be the same bits
+documents of random lengths a row, ``q_segment_ids`` only, passed as the
+jitted call's data: :func:`jaxattn.tuning.jit_with_array_options`), and a
+plain call without segments as the control.  The outputs must be the same bits
 (on ordinary inputs and with a NaN and an Inf).
 """
 import argparse
@@ -34,6 +35,8 @@ def main():
                   help="the kernel module to compare against (a path)")
   ap.add_argument("--causal", action="store_true")
   ap.add_argument("--shape", default="2,8192,32,128")
+  ap.add_argument("--methods", default=None,
+                  help="comma list of the rows to run (default all)")
   a = ap.parse_args()
   shape = tuple(int(x) for x in a.shape.split(","))
   spec = importlib.util.spec_from_file_location("mosaic_before", a.before)
@@ -46,6 +49,8 @@ def main():
   methods = [("fp32_packed", "fp32", packed), ("fp8_packed", "fp8", packed),
              ("sage_packed", "sage", packed), ("int8_packed", "int8", packed),
              ("fp32", "fp32", {})]
+  if a.methods:
+    methods = [m for m in methods if m[0] in a.methods.split(",")]
   calls, checks = api_calls_per_setting(
       mosaic, "mosaic_attention", (("ids", before.mosaic_attention),
                                    ("runs", mosaic.mosaic_attention)),

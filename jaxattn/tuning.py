@@ -10,6 +10,7 @@ method, shapes and flags for the life of the process.
 from __future__ import annotations
 
 import argparse
+import functools
 import glob
 import itertools
 import json
@@ -199,6 +200,18 @@ def record_against_cudnn(out_path, calls, qkv, *, causal: bool, **fields):
                reference="cuDNN bf16", rows=rows, **fields)
 
 
+def jit_with_array_options(fn, opts):
+  """``(jitted, arrays)``: ``fn(q, k, v, **opts)`` jitted with the array
+  options (segment ids, lengths) as its fourth argument, ``jitted(q, k, v,
+  arrays)``, and the others static.  Arrays closed over would be constants
+  of the compiled call, which XLA may fold (the index operands, the
+  predicate of a ``lax.cond`` on them); a caller passes them as data."""
+  arrays = {n: x for n, x in opts.items() if isinstance(x, jax.Array)}
+  static = {n: x for n, x in opts.items() if n not in arrays}
+  return jax.jit(lambda q, k, v, arrays: fn(q, k, v, **static, **arrays)), \
+      arrays
+
+
 def api_calls_per_setting(module, attr, settings, methods, inputs, *,
                           causal: bool, log=print):
   """An A/B of one module attribute (a switch or a function), or of several
@@ -221,13 +234,13 @@ def api_calls_per_setting(module, attr, settings, methods, inputs, *,
                    else [(attr, value)]):
         setattr(module, a, x)
       jax.clear_caches()
-      call = jax.jit(lambda q, k, v, method=method, opts=opts:
-                     api.dot_product_attention(
-                         q, k, v, is_causal=causal, method=method,
-                         implementation="mosaic", **opts))
-      compiled = call.lower(*inputs[0]).compile()
-      calls[f"{name}/{setting}"] = (compiled, inputs[0])
-      outs[setting] = [np.asarray(compiled(*x), np.float32) for x in inputs]
+      call, arrays = jit_with_array_options(functools.partial(
+          api.dot_product_attention, is_causal=causal, method=method,
+          implementation="mosaic"), opts)
+      compiled = call.lower(*inputs[0], arrays).compile()
+      calls[f"{name}/{setting}"] = (compiled, (*inputs[0], arrays))
+      outs[setting] = [np.asarray(compiled(*x, arrays), np.float32)
+                       for x in inputs]
     first, second = (outs[s] for s, _ in settings[:2])
     checks[name] = dict(
         same_bits=[bool(np.array_equal(a, c, equal_nan=True))
