@@ -120,9 +120,10 @@ def _has_gpu() -> bool:
 
 def pytest_collection_modifyitems(config, items):
   # The tests marked ``slow`` (10-45 s each on 2 cores, compile-bound) go
-  # first: xdist's load scheduler deals the first items out one at a time,
-  # so they spread over the workers, and the run ends on short tests
-  # instead of one worker finishing a long test while the other idles.
+  # first, so that the run ends on short tests instead of one worker
+  # finishing a long test while the other idles.  (xdist's load scheduler
+  # hands each worker a chunk of consecutive tests first, then single
+  # tests as they finish.)
   items.sort(key=lambda item: "slow" not in item.keywords)
   gpu_items = [item for item in items if "gpu" in item.keywords]
   if not gpu_items or _has_gpu():
