@@ -58,11 +58,8 @@ def workloads(rng):
   segs = packed_segments(rng, 2, 8192, 8)
   return {
       "packed": dict(shape=(2, 8192, 32, 128), kw=dict(q_segment_ids=segs),
-                     # (as the API builds it where kv_segment_ids is
-                     # left out: self-attention over the documents)
                      index_mask=common.IndexMask(q_segments=segs,
-                                                 kv_segments=segs,
-                                                 self_segments=True),
+                                                 kv_segments=segs),
                      cudnn=None),
       "window": dict(shape=(1, 32768, 32, 128),
                      kw=dict(local_window_size=(4095, 0)),

@@ -77,7 +77,6 @@ def build_index_mask(query, key, kv_lens, *, query_seq_lengths,
                      f"got {causal_alignment!r}")
   features = []
   q_lens = offsets = q_seg = kv_seg = window = None
-  self_segments = False
   if query_seq_lengths is not None:
     q_lens = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
     features.append("query_seq_lengths")
@@ -93,9 +92,6 @@ def build_index_mask(query, key, kv_lens, *, query_seq_lengths,
   if q_segment_ids is not None or kv_segment_ids is not None:
     if q_segment_ids is None:
       raise ValueError("kv_segment_ids needs q_segment_ids")
-    # the same ids for queries and keys: a kernel may take each row's
-    # document as a key range (common.IndexMask.self_segments)
-    self_segments = kv_segment_ids is None or kv_segment_ids is q_segment_ids
     if kv_segment_ids is None:
       if t != s:
         raise ValueError(f"query ({t}) and key ({s}) lengths differ: pass "
@@ -107,8 +103,7 @@ def build_index_mask(query, key, kv_lens, *, query_seq_lengths,
   if not features:
     return None, frozenset()
   return (IndexMask(q_lens=q_lens, offsets=offsets, q_segments=q_seg,
-                    kv_segments=kv_seg, window=window,
-                    self_segments=self_segments), frozenset(features))
+                    kv_segments=kv_seg, window=window), frozenset(features))
 
 
 def _check_inputs(query, key, value, bias, mask, key_value_seq_lengths):

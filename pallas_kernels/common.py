@@ -158,10 +158,6 @@ class IndexMask:
       kept only where the two segment ids are equal (packed sequences).
     window: static ``(left, right)``: row ``i`` sees keys ``i + offset -
       left .. i + offset + right`` (None on a side: unbounded).
-    self_segments: static: the key ids are the query ids, position for
-      position (self-attention over packed documents, ``T == S``), so
-      that where each document is one run of positions a row's document
-      is a key range (:func:`segment_runs`).
   """
   q_lens: jax.Array | None = None
   offsets: jax.Array | None = None
@@ -169,8 +165,6 @@ class IndexMask:
   kv_segments: jax.Array | None = None
   window: tuple[int | None, int | None] | None = dataclasses.field(
       default=None, metadata=dict(static=True))
-  self_segments: bool = dataclasses.field(default=False,
-                                          metadata=dict(static=True))
 
   @property
   def has_segments(self) -> bool:
@@ -295,40 +289,15 @@ def index_operands(kv_lens, index_mask: IndexMask | None, *, t: int,
   return bounds, ranges, segments
 
 
-def row_key_ranges(bounds, *, t_pad: int, runs=None):
+def row_key_ranges(bounds, *, t_pad: int):
   """int32 ``[B, 2, t_pad]``: the first and last key each query row sees by
   its bounds (:func:`row_bounds`; last < first: none), so that a kernel
-  masks a block with two compares per score (and the segment ids).
-  ``runs``: ``(first, last)`` int32 ``[B, T]`` of :func:`segment_runs`
-  (self-attention whose documents are runs): the ranges are also
-  clipped to the row's document, which then needs no id compare."""
+  masks a block with two compares per score (and the segment ids)."""
   row_len, col_len, lower, upper = (bounds[:, c, None] for c in range(4))
   rows = jnp.arange(t_pad, dtype=jnp.int32)[None]
   first = jnp.maximum(rows + lower, 0)
   last = jnp.where(rows < row_len, jnp.minimum(rows + upper, col_len - 1), -1)
-  if runs is not None:
-    run_first, run_last = (pad_axis(x, 1, t_pad) for x in runs)
-    first, last = jnp.maximum(first, run_first), jnp.minimum(last, run_last)
   return jnp.stack([first, last], axis=1)
-
-
-def segment_runs(ids):
-  """Where ids ``[B, L]`` int32 are the same for queries and keys: ``(runs,
-  first, last)``, ``runs`` a bool scalar, True when every row's ids are
-  non-decreasing (so each document is one run of positions, as packing
-  writes them), and ``first``, ``last`` int32 ``[B, L]`` the first and last
-  position of the run of equal ids around each position.  Where ``runs``
-  holds, position ``i``'s id equals position ``j``'s exactly when ``first[i]
-  <= j <= last[i]``.  Two scans and a compare, no sort."""
-  length = ids.shape[1]
-  pos = jnp.arange(length, dtype=jnp.int32)[None]
-  new = jnp.ones_like(ids[:, :1], dtype=bool)
-  starts = jnp.concatenate([new, ids[:, 1:] != ids[:, :-1]], axis=1)
-  ends = jnp.concatenate([ids[:, 1:] != ids[:, :-1], new], axis=1)
-  first = lax.cummax(jnp.where(starts, pos, 0), axis=1)
-  last = lax.cummin(jnp.where(ends, pos, length - 1), axis=1, reverse=True)
-  runs = jnp.all(ids[:, 1:] >= ids[:, :-1])
-  return runs, first, last
 
 
 def visible(rows, cols, bounds, *, row_segments=None, col_segments=None,

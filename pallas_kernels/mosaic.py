@@ -1066,8 +1066,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     index_mask: query lengths, alignment, local window and segment ids
       (:class:`common.IndexMask`), or None.  Each warpgroup skips the key
       blocks none of its rows sees and masks only the blocks some row sees
-      in part.  With ``self_segments`` ids that are runs of positions
-      become key ranges (a ``lax.cond`` on :func:`common.segment_runs`).
+      in part.
     nan_rows: bool ``[B, T, N]`` or None: the output rows written as NaN
       (those a NaN/Inf input reaches: :mod:`jaxattn.nonfinite`), in the
       epilogue instead of a pass over the output afterwards.
@@ -1109,8 +1108,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bounds, ranges, segments = common.index_operands(
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-  # the key ranges and segment ids go in at launch (below), after these
-  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST)]
+  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST),
+          common.row_key_ranges(bounds, t_pad=t_pad), *segments]
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
     raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")
@@ -1172,7 +1171,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       pasa_running=bool(pasa_running),
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,
       f16_scores=bool(f16_scores or pasa_running),
-      has_shifted=pasa_shifted is not None,
+      has_shifted=pasa_shifted is not None, has_segments=bool(segments),
       has_qk_scales=has_qk_scales,
       k_scale_per_block=k_scale_per_block,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
@@ -1195,31 +1194,14 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
   if return_lse:
     out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
-
-  def launch(key_ranges, segment_ids):
-    return plgpu.kernel(
-        functools.partial(kernel, has_segments=bool(segment_ids)),
-        out_type=out_type,
-        **_grid(n, b * t_pad // (2 * bq)),
-        num_threads=3, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
-        interpret=interp,
-    )(*args[:4], key_ranges, *segment_ids, *args[4:])
-
-  im = index_mask or common.IndexMask()
-  if segments and im.self_segments and t == s_len:
-    # Self-attention whose documents are runs of positions: each row's
-    # document is a key range, folded into its first and last key, and
-    # the masked blocks load and compare no ids (for fp32 the largest cost
-    # of a packed call's masked steps: docs/design.md, "Index masks").
-    runs, first, last = common.segment_runs(im.q_segments.astype(jnp.int32))
-    out = lax.cond(
-        runs,
-        lambda: launch(common.row_key_ranges(bounds, t_pad=t_pad,
-                                             runs=(first, last)), []),
-        lambda: launch(common.row_key_ranges(bounds, t_pad=t_pad), segments))
-  else:
-    out = launch(common.row_key_ranges(bounds, t_pad=t_pad), segments)
+  out = plgpu.kernel(
+      kernel,
+      out_type=out_type,
+      **_grid(n, b * t_pad // (2 * bq)),
+      num_threads=3, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=interp,
+  )(*args)
   if return_lse:
     return out[0][:, :t, :, :d], out[1][:, :, :t]
   return out[:, :t, :, :d]

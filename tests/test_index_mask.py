@@ -342,43 +342,6 @@ def test_row_key_ranges_are_the_visible_keys():
     assert (key_range[:, 1, t:] == -1).all()     # padded rows see nothing
 
 
-def test_segment_runs_are_each_documents_positions():
-  """common.segment_runs: non-decreasing ids (random documents, empty ones,
-  a single one) are runs, and each position's run is exactly the
-  positions of its id; ids that come back after another document are not
-  runs.  Folded into the key ranges, a run needs no id compare: the
-  ranges alone are the visibility of self-attention over the ids."""
-  rng = np.random.default_rng(3)
-  runs_of = jax.jit(common.segment_runs)
-  t, t_pad = 45, 64
-  ranges = jax.jit(functools.partial(common.row_key_ranges, t_pad=t_pad))
-  cols = np.arange(t)
-  for trial in range(6):
-    ids = np.sort(rng.integers(0, 1 + trial * 3, (B, t)), 1).astype(np.int32)
-    runs, first, last = (np.asarray(x) for x in runs_of(jnp.asarray(ids)))
-    assert bool(runs)
-    same = ids[:, :, None] == ids[:, None, :]
-    in_run = (cols >= first[..., None]) & (cols <= last[..., None])
-    np.testing.assert_array_equal(in_run, same)
-    im = common.IndexMask(
-        q_lens=jnp.array(rng.integers(0, t + 1, B), jnp.int32),
-        offsets=jnp.array(rng.integers(-5, 6, B), jnp.int32),
-        window=None if trial % 2 else (int(rng.integers(0, 9)), 3))
-    bounds = common.row_bounds(jnp.array(rng.integers(0, t + 1, B),
-                                         jnp.int32), im, t=t,
-                               is_causal=bool(trial % 3))
-    key_range = np.asarray(ranges(bounds, runs=(jnp.asarray(first),
-                                                jnp.asarray(last))))
-    vis = np.asarray(jaxattn.base.index_visibility(
-        bounds, jnp.asarray(ids), jnp.asarray(ids), t=t, s=t))
-    np.testing.assert_array_equal(
-        (cols >= key_range[:, 0, :t, None])
-        & (cols <= key_range[:, 1, :t, None]), vis)
-    assert (key_range[:, 1, t:] == -1).all()     # padded rows see nothing
-  scattered = np.array([[0, 0, 1, 1, 0, 2], [0, 1, 1, 2, 2, 2]], np.int32)
-  assert not bool(runs_of(jnp.asarray(scattered))[0])
-
-
 def test_bad_index_arguments_raise():
   q, k, v = _inputs(0, 8, 8, jnp.float32)
   cases = [

@@ -378,3 +378,26 @@ def test_device_times_from_the_traced_kernels(monkeypatch):
   assert tuning.device_ms(None, (), calls=4) is None
   monkeypatch.setattr(tuning, "device_kernels", lambda fn, args, calls: [])
   assert tuning.device_period_ms(None, (), calls=3) is None
+
+
+def test_array_options_are_the_jitted_calls_data():
+  """``tuning.jit_with_array_options``: array options (segment ids,
+  lengths) become the jitted call's argument, so another value reaches the
+  same compiled call (closed over, they were its constants); the others
+  stay static."""
+  from jaxattn import tuning
+  traces = []
+
+  def fn(q, k, v, *, ids, scale):
+    traces.append(scale)
+    return q * scale + ids
+
+  x = jnp.zeros(4, jnp.float32)
+  jitted, arrays = tuning.jit_with_array_options(
+      fn, dict(ids=jnp.arange(4, dtype=jnp.float32), scale=2.0))
+  assert set(arrays) == {"ids"}
+  compiled = jitted.lower(x, x, x, arrays).compile()
+  np.testing.assert_array_equal(compiled(x + 1, x, x, arrays), [2, 3, 4, 5])
+  other = dict(ids=jnp.full(4, 7.0, jnp.float32))
+  np.testing.assert_array_equal(compiled(x, x, x, other), [7, 7, 7, 7])
+  assert traces == [2.0] and isinstance(jitted, type(jax.jit(fn)))

@@ -476,67 +476,6 @@ def test_mosaic_index_mask_matches_dense_mask_reference(method, case):
   assert err < tol, err
 
 
-@pytest.mark.parametrize("method,is_causal", [("fp32", False),
-                                              ("fp8", True)])
-def test_mosaic_self_segments_fold_into_key_ranges(method, is_causal):
-  """Self-attention over packed documents (the same ids for queries and
-  keys, ``IndexMask.self_segments``, as the API sets it when
-  ``kv_segment_ids`` is left out): where every document is one run of
-  positions, each row's document is folded into its key range and the
-  masked blocks compare no ids; the output is the same bits as with the
-  id compare, and the dense-mask reference's (bottom-right alignment,
-  query and key lengths, a window).  Ids that come back after another
-  document keep the id compare."""
-  from jaxattn import methods
-  from jaxattn.backends import reference
-  from pallas_kernels import common
-  b, t, n, d = 2, 300, 1, 64
-  kq, kk, kv = jax.random.split(jax.random.key(9), 3)
-  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
-  k = jax.random.normal(kk, (b, t, 1, d), jnp.float16) + 0.5
-  v = jax.random.normal(kv, (b, t, 1, d), jnp.float16)
-  kv_lens = jnp.asarray([300, 260], jnp.int32)
-  q_lens = jnp.asarray([290, 300], jnp.int32)
-  # a one-token document, documents across block edges, a last one past
-  # the key length; then ids 1 and 2 back after another document
-  runs = np.stack([_segment_ids([(0, 0), (70, 1), (150, 2), (151, 3),
-                                 (230, 4)], t),
-                   _segment_ids([(0, 5), (128, 6), (255, 7)], t)])
-  scattered = np.stack([_segment_ids([(0, 1), (70, 2), (150, 1)], t),
-                        _segment_ids([(0, 1), (90, 2), (170, 0)], t)])
-  # the check the call makes: these ids are runs, those are not
-  assert bool(common.segment_runs(jnp.asarray(runs))[0])
-  assert not bool(common.segment_runs(jnp.asarray(scattered))[0])
-  # bottom-right alignment: the diagonal moves, the documents do not
-  offsets = kv_lens - q_lens
-  config = methods.get(method).config_cls.from_options(block_k=64)
-  scale = d ** -0.5
-  run = jax.jit(functools.partial(
-      _mosaic_with_index_mask, method, scale=scale, is_causal=is_causal,
-      config=config))
-  for ids in (runs, scattered):
-    outs = [np.asarray(run(q, k, v, kv_lens, common.IndexMask(
-        q_lens=q_lens, offsets=offsets, q_segments=jnp.asarray(ids),
-        kv_segments=jnp.asarray(ids), window=(100, 30),
-        self_segments=folded)), np.float32) for folded in (True, False)]
-    np.testing.assert_array_equal(outs[0], outs[1])
-  sees = _sees(kv_lens, q_lens, np.asarray(offsets), (100, 30), is_causal,
-               runs, runs, t, t)
-  mask = jnp.asarray(sees[:, None])
-  ref = jax.jit(functools.partial(
-      reference.ADAPTERS[method].run, scale=scale, is_causal=False,
-      config=config))(q, k, v, None, mask, kv_lens).astype(q.dtype)
-  out = np.asarray(run(q, k, v, kv_lens, common.IndexMask(
-      q_lens=q_lens, offsets=offsets, q_segments=jnp.asarray(runs),
-      kv_segments=jnp.asarray(runs), window=(100, 30), self_segments=True)),
-      np.float32)
-  blind = ~sees.any(-1)
-  assert np.all(out[blind] == 0.0)
-  tol = TOL if method == "fp32" else TOL_8BIT_P
-  err = _rel(out[~blind], np.asarray(ref)[~blind])
-  assert err < tol, err
-
-
 @pytest.mark.parametrize("method", ["fp32", "int8"])
 def test_mosaic_skips_key_blocks_outside_a_narrow_window(method):
   """A window of one key: each warpgroup runs only the key blocks its rows
