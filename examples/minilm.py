@@ -141,25 +141,35 @@ def _encode(weights, input_ids, attention_mask, *, config, attention):
     return _layer_norm(x + h, lw["output.LayerNorm.weight"],
                        lw["output.LayerNorm.bias"], eps), None
 
-  # the layers' weights stacked, one scan: the attention is traced and
-  # compiled once, not once per layer
-  n_layers = config["num_hidden_layers"]
-  names = [n[len("encoder.layer.0."):] for n in w
-           if n.startswith("encoder.layer.0.")]
-  stacked = {n: jnp.stack([w[f"encoder.layer.{i}.{n}"]
-                           for i in range(n_layers)]) for n in names}
-  x, _ = jax.lax.scan(layer, x, stacked)
+  # one scan over the stacked layers: the attention is traced and compiled
+  # once, not once per layer
+  x, _ = jax.lax.scan(layer, x, w["layers"])
   m = attention_mask[..., None].astype(x.dtype)
   pooled = (x * m).sum(1) / jnp.maximum(m.sum(1), 1e-9)
   return pooled / jnp.maximum(jnp.linalg.norm(pooled, axis=-1, keepdims=True),
                               1e-12)
 
 
+def stack_layers(weights, config):
+  """:func:`load_model`'s weights as :func:`jax_encoder` takes them: the
+  encoder layers' arrays stacked under ``"layers"`` (each name within a
+  layer -> ``[num_hidden_layers, ...]``, for one ``lax.scan``), the others
+  as they are.  Done once, not in every call."""
+  n_layers = config["num_hidden_layers"]
+  prefix = "encoder.layer."
+  names = [n[len(prefix + "0."):] for n in weights
+           if n.startswith(prefix + "0.")]
+  out = {n: a for n, a in weights.items() if not n.startswith(prefix)}
+  out["layers"] = {n: jnp.stack([jnp.asarray(weights[f"{prefix}{i}.{n}"])
+                                 for i in range(n_layers)]) for n in names}
+  return out
+
+
 def jax_encoder(config, *, method: str = "fp32", implementation=None,
                 **options):
   """A jitted ``encode(weights, input_ids, attention_mask) -> [B, hidden]``
   whose self-attention is ``jaxattn.dot_product_attention(method=...)``;
-  ``weights`` are the arrays of :func:`load_model` (numpy or jax)."""
+  ``weights`` are :func:`stack_layers` of :func:`load_model`'s arrays."""
   attention = functools.partial(jaxattn.dot_product_attention, method=method,
                                 implementation=implementation, **options)
   return jax.jit(functools.partial(_encode, config=config,
@@ -234,8 +244,8 @@ def compare(sentences=DEFAULT_SENTENCES, methods=DEFAULT_METHODS,
   """
   config, weights = load_model()
   ids, mask = tokenize(sentences, config)
-  params = {name: jnp.asarray(a) for name, a in weights.items()
-            if a.dtype == np.float32}
+  params = stack_layers({name: jnp.asarray(a) for name, a in weights.items()
+                         if a.dtype == np.float32}, config)
   embeddings = {"torch": torch_encode(config, weights, ids, mask)}
   encode_fp32 = jax_encoder(config, method="fp32", implementation="reference")
   embeddings["fp32 reference"] = np.asarray(encode_fp32(params, ids, mask),
