@@ -16,18 +16,13 @@ import statistics
 
 import jax
 
-from jaxattn import api
+from jaxattn import api, bench
 from jaxattn.tuning import (alternating_rounds, cudnn_reference, random_btnh,
                             write_record)
 
-METHODS = {
-    "int8_full": ("int8", {}),
-    "int8_half": ("int8", {"pv_dtype": "fp16"}),
-    "fp8": ("fp8", {}),
-    "sage2-8b": ("sage", {"preset": "sage2-8b"}),
-    "fmha_int8": ("fmha_int8", {}),
-    "fp32": ("fp32", {}),
-}
+# the bench's variants, named without its "jaxattn_" prefix
+METHODS = {name.removeprefix("jaxattn_"): (method, opts)
+           for name, method, opts in bench.JAXATTN_VARIANTS}
 
 
 def main():
