@@ -2,7 +2,7 @@
 H100, in one process against cuDNN bfloat16.
 
   python benchmarks/tile_schedule.py OUT.json
-      --part loads|schedule|half_int8_qk|pingpong|packed_kernels [--causal]
+      --part loads|schedule|half_int8_qk|packed_kernels [--causal]
       [--shape B,S,N,D]
 
 (``packed_kernels`` is always causal.)
@@ -20,10 +20,6 @@ first, with the heads or the query tiles as the grid's faster axis
 zeroed next to its wgmma or into a splat of zeros (``FRESH_ACCUMULATORS``
 with or without ``"qk"``; half-INT8 only, the one method whose kernel
 spills with either).
-
-``pingpong``: the consumer warpgroups in FlashAttention-3's ping-pong on
-the tensor cores, free, or one step apart with only the PV issue ordered
-(``CONSUMER_ORDER``).
 
 ``packed_kernels``: the packed call's kernel alone (sage and fp8, operands
 prepared beforehand, as ``benchmarks/index_mask.py`` times it) under each
@@ -58,18 +54,12 @@ SWITCHES = {
                   ("heaviest_tiles_inner", (True, False)))),
     "half_int8_qk": ("FRESH_ACCUMULATORS", (("fresh", ("qk", "pv")),
                                             ("splat", ("pv",)))),
-    "pingpong": ("CONSUMER_ORDER", tuple((o, o) for o in (
-        "pingpong", "free", "stagger"))),
 }
 
 
 def methods(part, causal, segs):
   packed = [(f"packed_{m}", m, {"q_segment_ids": segs})
             for m in ("sage", "fp8")] if causal else []
-  if part == "pingpong":
-    return ([(m, m, {}) for m in ("fp32", "int8", "sage", "fp8")]
-            + ([("int8_half", "int8", {"pv_dtype": "fp16"}),
-                ("fmha_int8", "fmha_int8", {})] if not causal else packed))
   if part == "half_int8_qk":
     return [("int8_half", "int8", {"pv_dtype": "fp16"})]
   if part == "loads":

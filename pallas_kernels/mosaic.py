@@ -146,20 +146,6 @@ GRID_HEADS_INNER = True
 # 3% faster end to end; the V scale's kernels did not move
 # (``benchmarks/block_scale_prefetch.py`` times the choices).
 PREFETCH_BLOCK_SCALES = True
-# How the two consumer warpgroups share the tensor cores: "pingpong"
-# (FlashAttention-3's: a shared "schedule" barrier orders one's QK issue
-# before the other's PV issue, so their softmaxes alternate), "stagger" (only
-# the PV issue waits, for the other warpgroup's previous softmax: one step
-# apart, the softmaxes free to overlap) or "free" (no order).
-# ``benchmarks/tile_schedule.py --part pingpong`` times the choices.
-CONSUMER_ORDER = "pingpong"
-# fp8 P V accumulated into O in the tensor cores (FlashAttention-3's and
-# cuDNN's form: O * alpha, then the wgmma adds P V into it) instead of into a
-# per-block accumulator added to O in float32 (SageAttention2's two-level
-# accumulation).  The fused form frees the per-block accumulator's
-# registers (64 a thread at D=128) but adds each block with the fp8 wgmma's
-# ~14-bit accumulation.  ``benchmarks/fused_fp8_pv.py`` times the choices.
-FUSED_FP8_PV = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -537,13 +523,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
     def slot_of(j):  # key block j's ring slot (step j - tile_lo)
       return lax.rem(j - tile_lo, jnp.int32(stages))
 
-    def schedule_barrier(where="qk"):
-      """``where``: "qk" after a QK issue, "pv" before a PV issue, "edge"
-      at the ends of the loop (CONSUMER_ORDER)."""
-      if (CONSUMER_ORDER == "pingpong"
-          or (CONSUMER_ORDER == "stagger" and where != "qk")):
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
+    def schedule_barrier():
+      plgpu.barrier_arrive(schedule)
+      plgpu.barrier_wait(schedule)
 
     @pl.when(wg < 2)
     def _consumer():
@@ -829,12 +811,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                                                           m_i, l_i, shift)
         if fused_pv:   # (else one FMA in add_block)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        ordered = CONSUMER_ORDER != "free"
-        if ordered:
-          plgpu.barrier_arrive(schedule)
+        plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_bars.at[slot])
-        if ordered:
-          plgpu.barrier_wait(schedule)
+        plgpu.barrier_wait(schedule)
         p_op, v_op = pv_operands(j, p_op)
 
         def wait_next_k():
@@ -877,12 +856,12 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           plgpu.barrier_wait(qb_bars.at[slot])
         plgpu.barrier_arrive(k_consumed.at[slot])
         plgpu.barrier_arrive(v_consumed.at[slot])
-        schedule_barrier("qk")
-        schedule_barrier("pv")
+        schedule_barrier()
+        schedule_barrier()
 
       # Every step of [tile_lo, tile_hi) in order, each barrier phase
       # observed once: drain, masked, unmasked, masked, drain.
-      pl.when(wg == 1)(functools.partial(schedule_barrier, "edge"))
+      pl.when(wg == 1)(schedule_barrier)
       lax.fori_loop(tile_lo, lo, drain, None)
 
       @pl.when(hi > lo)
@@ -897,7 +876,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                             functools.partial(kv_step, masked=False), carry)
       acc, m_i, l_i, *_ = lax.fori_loop(full_hi, hi, masked_step, carry)
       lax.fori_loop(hi, tile_hi, drain, None)
-      pl.when(wg == 0)(functools.partial(schedule_barrier, "edge"))
+      pl.when(wg == 0)(schedule_barrier)
 
       empty = l_i == 0.0
       # (with P * 448 folded into the exponent, l is in units of 1/448)
@@ -1202,10 +1181,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
       p_in_smem=p_in_smem,
-      fused_pv=((pv == "fp16" and not p_in_smem
-                 and not (pasa and not pasa_running))
-                or (pv == "fp8" and FUSED_FP8_PV and v_block_scale is None
-                    and not p_in_smem)),
+      fused_pv=(pv == "fp16" and not p_in_smem
+                and not (pasa and not pasa_running)),
       out_dtype=out_dtype, exact_exponent=exact_exponent,
       return_lse=return_lse,
       fresh_accumulators=() if p_in_smem else tuple(
