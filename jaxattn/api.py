@@ -427,7 +427,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                    q_segment_ids=q_segment_ids,
                    kv_segment_ids=kv_segment_ids,
                    causal_alignment=causal_alignment))
-  config = backend_config(method, impl, config, options)
+  config = backend_config(method, impl, config, options,
+                          skips_key_blocks(index_mask))
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
   out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
                    method=method, implementation=impl, scale=scale,
@@ -441,32 +442,46 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   return out
 
 
-def backend_config(method: str, implementation: str, config, options):
+def backend_config(method: str, implementation: str, config, options,
+                   masked: bool = False):
   """``config`` with the backend's preferred values of the options the call
   (and the method's preset) left unset (:attr:`backends.Adapter.
-  defaults`: e.g. sage's ``block_k=128`` on the Mosaic kernel)."""
+  defaults`: e.g. sage's ``block_k=128`` on the Mosaic kernel).  ``masked``:
+  the call has segment ids or a local window (:func:`skips_key_blocks`),
+  which some defaults depend on."""
   name = implementation_name(implementation)
   if name is None:
     raise ValueError("backend_config needs a backend name (see "
                      "resolve_implementation), got None")
   adapter = BACKENDS[name].ADAPTERS.get(method)
   return config if adapter is None else with_defaults(adapter, config,
-                                                      options)
+                                                      options, masked)
 
 
-def config_for(method: str, implementation: str, **options):
+def skips_key_blocks(index_mask) -> bool:
+  """Whether a call's index mask (segment ids, a local window) can hide
+  whole key blocks inside a query tile, beyond what causality and the
+  lengths hide: the ``masked`` of :func:`backend_config`."""
+  return index_mask is not None and (index_mask.has_segments
+                                     or index_mask.window is not None)
+
+
+def config_for(method: str, implementation: str, masked: bool = False,
+               **options):
   """The config ``implementation`` runs ``method`` with for ``options``
   (:func:`backend_config` of the options' config)."""
   config = methods.get(method).config_cls.from_options(**options)
-  return backend_config(method, implementation, config, options)
+  return backend_config(method, implementation, config, options, masked)
 
 
-def backend_options(method: str, implementation: str, **options) -> dict:
+def backend_options(method: str, implementation: str, masked: bool = False,
+                    **options) -> dict:
   """``options`` plus the values ``implementation`` fills into the ones
-  left unset (:func:`backend_config`): pass them to another implementation
-  (e.g. ``"reference"``) to reproduce this one's numerics."""
+  left unset (:func:`backend_config`; ``masked``: for a call with segment
+  ids or a local window): pass them to another implementation (e.g.
+  ``"reference"``) to reproduce this one's numerics."""
   plain = methods.get(method).config_cls.from_options(**options)
-  config = config_for(method, implementation, **options)
+  config = config_for(method, implementation, masked, **options)
   return {**options, **{f.name: getattr(config, f.name)
                         for f in dataclasses.fields(config)
                         if getattr(config, f.name) != getattr(plain, f.name)}}

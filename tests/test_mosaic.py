@@ -88,6 +88,51 @@ def test_mosaic_interpreted_matches_reference(method, opts):
     assert _rel(out, ref) < TOL, (seed, _rel(out, ref))
 
 
+@pytest.mark.parametrize("method", ["fp8", "int8", "fmha_int8"])
+def test_mosaic_256_key_blocks_match_reference(method):
+  """256-key blocks (8-bit K and V only; per-tensor fp8's default): several
+  blocks, the last one partial, key lengths and causality, on keys with a
+  per-channel bias and outlier channels."""
+  from jaxattn import data
+  q, k, v = data.channel_outlier(jax.random.key(2), (1, 600, 2, 64))
+  kw = dict(method=method, is_causal=True, block_k=256,
+            key_value_seq_lengths=[530])
+  out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
+  ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
+                                      **kw)
+  out = out[0] if isinstance(out, tuple) else out
+  ref = ref[0] if isinstance(ref, tuple) else ref
+  assert bool(jnp.isfinite(out).all())
+  rest, worst = _rel_without_worst_row(out, ref)
+  assert rest < TOL_8BIT_P and worst < TOL_FLIPPED_ROW, (rest, worst)
+
+
+def test_mosaic_fp8_key_block_follows_the_call():
+  """Per-tensor fp8 runs 256-key blocks unless segment ids or a window hide
+  key blocks (then 128); the packed call is the kernel at 128 exactly."""
+  from jaxattn.backends import mosaic as mosaic_backend
+  assert api.config_for("fp8", "mosaic").block_k == 256
+  assert api.config_for("fp8", "mosaic", masked=True).block_k == 128
+  assert api.config_for("fp8", "mosaic", granularity="block").block_k == 128
+  assert api.config_for("fp8", "mosaic", block_k=64).block_k == 64
+  assert api.config_for("fp8", "triton").block_k == 128
+  with pytest.raises(NotImplementedError, match="256 with 8-bit K and V"):
+    jaxattn.dot_product_attention(
+        _Q[:, :64], _Q[:, :64], _Q[:, :64], method="int8", pv_dtype="fp16",
+        block_k=256, implementation="mosaic")
+  assert 256 not in mosaic_backend.BLOCK_KS
+  segs = jnp.asarray(np.repeat(np.arange(3), [70, 150, 80])[None], jnp.int32)
+  q = _Q[:, :300]
+  packed = functools.partial(jaxattn.dot_product_attention, q, q, q,
+                             method="fp8", is_causal=True,
+                             implementation="mosaic", q_segment_ids=segs)
+  np.testing.assert_array_equal(np.asarray(packed()),
+                                np.asarray(packed(block_k=128)))
+
+
+_Q = jax.random.normal(jax.random.key(3), (1, 300, 2, 64), jnp.float16)
+
+
 @pytest.mark.slow
 def test_mosaic_fmha_int8_matches_reference_and_triton():
   """The 8-bit FMHA on the Hopper kernel (uint8 P against each block's own

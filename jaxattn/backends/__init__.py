@@ -80,7 +80,9 @@ class Adapter:
   ``defaults``: ``(option, value)`` pairs the backend runs the method
   with where neither the call nor the method's preset sets the option
   (:meth:`jaxattn.base.MethodConfig.fixed_fields`), e.g. the key block of
-  its tiles.
+  its tiles; or a function ``(config, masked) -> pairs`` where they
+  depend on the config or on whether the call skips key blocks by an index
+  mask (``masked``: segment ids or a local window).
 
   ``run_lse``, where the kernel computes it, is ``run`` that also returns
   the float32 log-sum-exp ``[B, N, T]`` (natural log, ``-inf`` for a row
@@ -105,11 +107,14 @@ class Adapter:
   defaults: tuple = ()
 
 
-def with_defaults(adapter: Adapter, config, options):
+def with_defaults(adapter: Adapter, config, options, masked: bool = False):
   """``config`` with ``adapter.defaults`` in the fields ``options`` (the
-  call's, preset included) leave unset."""
+  call's, preset included) leave unset; ``masked``: the call has segment
+  ids or a local window."""
   fixed = type(config).fixed_fields(options)
-  changes = {k: v for k, v in adapter.defaults if k not in fixed}
+  pairs = (adapter.defaults(config, masked) if callable(adapter.defaults)
+           else adapter.defaults)
+  changes = {k: v for k, v in pairs if k not in fixed}
   return dataclasses.replace(config, **changes) if changes else config
 
 

@@ -33,6 +33,9 @@ from pallas_kernels import common, mosaic
 NAME = "mosaic"
 TITLE = "Mosaic GPU"
 BLOCK_KS = (64, 128)
+# 256-key blocks fit the shared-memory ring only with 8-bit K and V (two
+# slots of 32 KB each at D=128); 16-bit ones would take 256 KB.
+BLOCK_KS_8BIT = (64, 128, 256)
 TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
 # fp32 picks its exponent by a bound on the scores (which reads Q and K for
 # their row norms) instead of taking the exact one always.  Off: the read
@@ -58,10 +61,14 @@ def _check_common(call: Call) -> None:
                  "Triton kernel knobs; the Mosaic kernel's tiles are fixed "
                  "(use implementation='triton')")
   block_k = getattr(call.config, "block_k", None)
-  if block_k is not None and block_k not in BLOCK_KS:
+  eight_bit = call.method in ("sage", "int8", "fp8", "fmha_int8") and (
+      getattr(call.config, "pv_dtype", "fp8") != "fp16")
+  allowed = BLOCK_KS_8BIT if eight_bit else BLOCK_KS
+  if block_k is not None and block_k not in allowed:
     raise NotImplementedError(
         f"block_k={block_k}: the Mosaic kernel takes blocks of "
-        f"{' or '.join(map(str, BLOCK_KS))} keys")
+        f"{', '.join(map(str, allowed))} keys"
+        + ("" if eight_bit else " with 16-bit V (256 with 8-bit K and V)"))
 
 
 def _check_fp32(call: Call) -> None:
@@ -94,6 +101,17 @@ def _check_fp8(call: Call) -> None:
     raise NotImplementedError(
         f"fp8 block granularity with block_q={call.config.block_q}: the "
         "Mosaic kernel needs a multiple of 64")
+
+
+def _fp8_defaults(config, masked: bool) -> tuple:
+  """256-key blocks for per-tensor fp8 (cuDNN's fp8 step), unless segment
+  ids or a window hide key blocks: there a coarser block wastes more than
+  it saves.  With ``granularity="block"`` the key block is the K and V
+  scale group, so it keeps the method's own (docs/design.md, "256-key
+  blocks for per-tensor fp8")."""
+  if config.granularity != "tensor" or masked:
+    return ()
+  return (("block_k", 256),)
 
 
 def _out_dtype(dtype):
@@ -284,7 +302,8 @@ ADAPTERS = {
                       check=_check_common, kernel_lse=True,
                       kernel_nan_rows=True),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
-                     check=_check_fp8, kernel_lse=True, kernel_nan_rows=True),
+                     check=_check_fp8, defaults=_fp8_defaults,
+                     kernel_lse=True, kernel_nan_rows=True),
     "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True,
                          confines_nonfinite=True),
 }
