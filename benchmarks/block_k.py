@@ -3,7 +3,7 @@ methods with 8-bit K and V (only they fit 256-key blocks), end to end on the
 H100 in one process against cuDNN bfloat16.
 
   python benchmarks/block_k.py OUT.json [--causal] [--shape B,S,N,D]
-      [--methods fp8,int8_full,...]
+      [--methods fp8,int8_full,...] [--window W]
 
 Each call is compiled ahead of time and timed in three rounds of
 alternating order.  The causal run adds a packed call (8 documents of
@@ -11,7 +11,8 @@ random lengths a row, the segment ids passed as the call's data).  The
 record holds each setting's error against float32 attention on the bench's
 realistic inputs (``bench.accuracy_inputs``: keys with a per-channel bias
 and outlier channels) and the two settings' largest difference on the timed
-inputs.
+inputs.  ``--window W`` gives every call a W-key sliding window
+(``local_window_size=(W - 1, 0)``), timed only.
 """
 import argparse
 import functools
@@ -38,6 +39,8 @@ def main():
   ap.add_argument("--methods", default="fp8,int8_full,fmha_int8")
   ap.add_argument("--packed", default="fp8",
                   help="methods also timed packed (causal runs only)")
+  ap.add_argument("--window", type=int, default=0,
+                  help="every call with local_window_size=(W - 1, 0)")
   args = ap.parse_args()
   shape = tuple(int(x) for x in args.shape.split(","))
   qkv = random_btnh(shape)
@@ -45,12 +48,15 @@ def main():
                                       shape[3]))
   segs = jnp.asarray(packed_segments(np.random.default_rng(0), shape[0],
                                      shape[1], 8))
-  variants = [(n, *METHODS[n]) for n in args.methods.split(",")]
+  win = {"local_window_size": (args.window - 1, 0)} if args.window else {}
+  variants = [(n, METHODS[n][0], dict(METHODS[n][1], **win))
+              for n in args.methods.split(",")]
   if args.causal and args.packed:
     variants += [(f"packed_{n}", METHODS[n][0],
                   dict(METHODS[n][1], q_segment_ids=segs))
                  for n in args.packed.split(",")]
-  calls, fields = {}, {"accuracy": {}, "max_abs_diff": {}}
+  calls, fields = {}, {"accuracy": {}, "max_abs_diff": {},
+                       "window": args.window}
   for name, method, opts in variants:
     outs = []
     for bk in BLOCK_KS:
@@ -60,7 +66,7 @@ def main():
       compiled = fn.lower(*qkv, arrays).compile()
       calls[f"{name}/{bk}"] = (compiled, (*qkv, arrays))
       outs.append(np.asarray(compiled(*qkv, arrays), np.float32))
-      if not arrays:
+      if not arrays and not win:
         acc = bench.accuracy(lambda q, k, v, fn=fn: fn(q, k, v, {}),
                              jnp.float16, acc_inputs, args.causal)
         fields["accuracy"][f"{name}/{bk}"] = acc
