@@ -27,7 +27,8 @@ from jaxattn.tuning import (jit_with_array_options, packed_segments,
 
 METHODS = {"fp8": ("fp8", {}), "int8_full": ("int8", {}),
            "int8_vblock": ("int8", {"v_granularity": "block"}),
-           "fmha_int8": ("fmha_int8", {}), "sage2-8b": ("sage", {})}
+           "fmha_int8": ("fmha_int8", {}), "sage2-8b": ("sage", {}),
+           "sage2-8b_no_smooth_q": ("sage", {"smooth_q": False})}
 BLOCK_KS = (128, 256)
 
 
