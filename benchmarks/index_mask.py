@@ -77,7 +77,6 @@ def kernels_alone(method, impl, x, w, iters, reps):
     return None
   q, k, v = x
   b, t = q.shape[:2]
-  cfg = jaxattn.api.config_for(method, impl)
   lens = jnp.full((b,), t, jnp.int32)
   scale = 1.0 / np.sqrt(q.shape[-1])
   im = w["index_mask"]
@@ -85,6 +84,9 @@ def kernels_alone(method, impl, x, w, iters, reps):
               else (im.q_segments, im.kv_segments))
   out = []
   for index_mask, segs in ((None, None), (im, segments)):
+    # (each call's own config: the backend's defaults may follow the mask)
+    cfg = jaxattn.api.config_for(
+        method, impl, masked=jaxattn.api.skips_key_blocks(index_mask))
     ops = jax.block_until_ready(jax.jit(functools.partial(
         adapter.prepare, scale=scale, config=cfg, segments=segs))(
             q, k, v, lens))

@@ -79,7 +79,7 @@ def packed_kernels(out_path, shape):
   calls = {}
   for method in ("sage", "fp8"):
     adapter = api.BACKENDS["mosaic"].ADAPTERS[method]
-    cfg = api.config_for(method, "mosaic")
+    cfg = api.config_for(method, "mosaic", masked=True)   # (packed)
     ops = jax.jit(functools.partial(
         adapter.prepare, scale=shape[-1] ** -0.5, config=cfg,
         segments=(segs, segs)))(q, k, v, lens)

@@ -100,34 +100,38 @@ def test_mosaic_256_key_blocks_match_reference(method):
   out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",
                                       **kw)
-  out = out[0] if isinstance(out, tuple) else out
-  ref = ref[0] if isinstance(ref, tuple) else ref
+  at_128 = jaxattn.dot_product_attention(
+      q, k, v, implementation="mosaic", **dict(kw, block_k=128))
+  out, ref, at_128 = (x[0] if isinstance(x, tuple) else x
+                      for x in (out, ref, at_128))
   assert bool(jnp.isfinite(out).all())
   rest, worst = _rel_without_worst_row(out, ref)
   assert rest < TOL_8BIT_P and worst < TOL_FLIPPED_ROW, (rest, worst)
+  # (the blocks are 256 keys: P is rounded against other block maxima)
+  assert not np.array_equal(np.asarray(out), np.asarray(at_128))
 
 
 def test_mosaic_fp8_key_block_follows_the_call():
   """Per-tensor fp8 runs 256-key blocks unless segment ids or a window hide
-  key blocks (then 128); the packed call is the kernel at 128 exactly."""
-  from jaxattn.backends import mosaic as mosaic_backend
+  key blocks (then 128): each call is the kernel at that block exactly."""
   assert api.config_for("fp8", "mosaic").block_k == 256
   assert api.config_for("fp8", "mosaic", masked=True).block_k == 128
   assert api.config_for("fp8", "mosaic", granularity="block").block_k == 128
   assert api.config_for("fp8", "mosaic", block_k=64).block_k == 64
-  assert api.config_for("fp8", "triton").block_k == 128
-  with pytest.raises(NotImplementedError, match="256 with 8-bit K and V"):
+  assert api.config_for("fp8", "reference").block_k == 128
+  with pytest.raises(NotImplementedError, match="256 needs 8-bit K and V"):
     jaxattn.dot_product_attention(
         _Q[:, :64], _Q[:, :64], _Q[:, :64], method="int8", pv_dtype="fp16",
         block_k=256, implementation="mosaic")
-  assert 256 not in mosaic_backend.BLOCK_KS
   segs = jnp.asarray(np.repeat(np.arange(3), [70, 150, 80])[None], jnp.int32)
   q = _Q[:, :300]
-  packed = functools.partial(jaxattn.dot_product_attention, q, q, q,
-                             method="fp8", is_causal=True,
-                             implementation="mosaic", q_segment_ids=segs)
-  np.testing.assert_array_equal(np.asarray(packed()),
-                                np.asarray(packed(block_k=128)))
+  call = functools.partial(jaxattn.dot_product_attention, q, q, q,
+                           method="fp8", is_causal=True,
+                           implementation="mosaic")
+  for block_k, kw in ((256, {}), (128, {"q_segment_ids": segs}),
+                      (128, {"local_window_size": (100, 0)})):
+    np.testing.assert_array_equal(np.asarray(call(**kw)),
+                                  np.asarray(call(**kw, block_k=block_k)))
 
 
 _Q = jax.random.normal(jax.random.key(3), (1, 300, 2, 64), jnp.float16)

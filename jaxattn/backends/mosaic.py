@@ -16,7 +16,8 @@ fmha_int8  ``qk="int8"``,          :func:`jaxattn.operands.fmha_operands`,
 =========  ======================  ========================================
 
 The kernel takes head dims up to 128 (others than 64 and 128 zero-padded
-to the next), no bias or mask, and keys in blocks of 64 or 128; its tiles are fixed, so it refuses the Triton kernels' knobs
+to the next), no bias or mask, and keys in blocks of 64 or 128 (or 256 where K and V
+are 8-bit); its tiles are fixed, so it refuses the Triton kernels' knobs
 (``tile_q``, ``num_warps``, ``num_stages``) rather than ignoring them.
 """
 from __future__ import annotations
@@ -34,7 +35,8 @@ NAME = "mosaic"
 TITLE = "Mosaic GPU"
 BLOCK_KS = (64, 128)
 # 256-key blocks fit the shared-memory ring only with 8-bit K and V (two
-# slots of 32 KB each at D=128); 16-bit ones would take 256 KB.
+# slots of 32 KB of K and 32 KB of V at D=128, 128 KB; 16-bit ones would
+# take 256 KB).
 BLOCK_KS_8BIT = (64, 128, 256)
 TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
 # fp32 picks its exponent by a bound on the scores (which reads Q and K for
@@ -67,8 +69,9 @@ def _check_common(call: Call) -> None:
   if block_k is not None and block_k not in allowed:
     raise NotImplementedError(
         f"block_k={block_k}: the Mosaic kernel takes blocks of "
-        f"{', '.join(map(str, allowed))} keys"
-        + ("" if eight_bit else " with 16-bit V (256 with 8-bit K and V)"))
+        + ("64, 128 or 256 keys" if eight_bit else
+           "64 or 128 keys here (256 needs 8-bit K and V: int8, fp8, "
+           "fmha_int8, sage with fp8 P V)"))
 
 
 def _check_fp32(call: Call) -> None:
