@@ -48,7 +48,9 @@ class Fp8Config(base.MethodConfig):
 
   Attributes:
     block_k: keys per block of the online softmax (a power of two); also the
-      K/V scale group with ``granularity="block"``.
+      K/V scale group with ``granularity="block"``.  Left unset, the Mosaic
+      kernel runs per-tensor calls in 256-key blocks, except where segment
+      ids or a window hide key blocks (``api.backend_options`` says which).
     granularity: ``"tensor"`` (one scale per head tensor) or ``"block"``.
     block_q: query rows per Q scale with ``granularity="block"``.
   """
