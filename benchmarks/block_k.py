@@ -14,7 +14,6 @@ and outlier channels) and the two settings' largest difference on the timed
 inputs.  ``--window W`` gives every call a W-key sliding window
 (``local_window_size=(W - 1, 0)``), timed only.
 """
-import argparse
 import functools
 
 import jax
@@ -22,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, bench
-from jaxattn.tuning import (jit_with_array_options, packed_segments,
-                            random_btnh, record_against_cudnn)
+from jaxattn.tuning import (benchmark_args, jit_with_array_options,
+                            packed_segments, random_btnh,
+                            record_against_cudnn)
 
 METHODS = {"fp8": ("fp8", {}), "int8_full": ("int8", {}),
            "int8_vblock": ("int8", {"v_granularity": "block"}),
@@ -33,17 +33,13 @@ BLOCK_KS = (128, 256)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--causal", action="store_true")
-  ap.add_argument("--shape", default="2,8192,32,128")
-  ap.add_argument("--methods", default="fp8,int8_full,fmha_int8")
-  ap.add_argument("--packed", default="fp8",
-                  help="methods also timed packed (causal runs only)")
-  ap.add_argument("--window", type=int, default=0,
-                  help="every call with local_window_size=(W - 1, 0)")
-  args = ap.parse_args()
-  shape = tuple(int(x) for x in args.shape.split(","))
+  args = benchmark_args(causal=True, extra=(
+      ("--methods", dict(default="fp8,int8_full,fmha_int8")),
+      ("--packed", dict(default="fp8", help="methods also timed packed "
+                        "(causal runs only)")),
+      ("--window", dict(type=int, default=0, help="every call with "
+                        "local_window_size=(W - 1, 0)"))))
+  shape = args.shape
   qkv = random_btnh(shape)
   acc_inputs = bench.accuracy_inputs((shape[0], shape[2], shape[1],
                                       shape[3]))

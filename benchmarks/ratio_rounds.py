@@ -11,13 +11,13 @@ reversed every other round); the ratio of a round is cuDNN's time in that
 round over the method's.  Prints the per-round ratios and their median per
 method and mask.
 """
-import argparse
 import statistics
 
 import jax
 
 from jaxattn import api, bench
-from jaxattn.tuning import (alternating_rounds, cudnn_reference, random_btnh,
+from jaxattn.tuning import (alternating_rounds, benchmark_args,
+                            cudnn_reference, random_btnh,
                             write_record)
 
 # the bench's variants, named without its "jaxattn_" prefix
@@ -26,13 +26,10 @@ METHODS = {name.removeprefix("jaxattn_"): (method, opts)
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("out")
-  ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--shape", default="2,8192,32,128")
-  ap.add_argument("--methods", default="int8_full,int8_half,fp8,sage2-8b")
-  a = ap.parse_args()
-  shape = tuple(int(x) for x in a.shape.split(","))
+  a = benchmark_args(extra=(
+      ("--rounds", dict(type=int, default=5)),
+      ("--methods", dict(default="int8_full,int8_half,fp8,sage2-8b"))))
+  shape = a.shape
   qkv = random_btnh(shape)
   log = lambda m: print(m, flush=True)
   rows, summary = [], {}

@@ -105,10 +105,11 @@ def device_ms(fn, args, calls: int = 5):
   return statistics.median(sum(k[2] for k in c) / 1e6 for c in per_call)
 
 
-def benchmark_args(causal: bool = False, parts=None):
+def benchmark_args(causal: bool = False, parts=None, extra=()):
   """The A/B scripts' command line: ``OUT.json [--causal] [--part P]
   [--shape B,S,N,D]`` (default the issue's 2,8192,32,128); ``.shape`` a
-  tuple; ``--part`` one of ``parts`` where given."""
+  tuple; ``--part`` one of ``parts`` where given; ``extra``: a script's own
+  options, ``(flag, add_argument keywords)`` pairs."""
   ap = argparse.ArgumentParser()
   ap.add_argument("out")
   if causal:
@@ -116,6 +117,8 @@ def benchmark_args(causal: bool = False, parts=None):
   if parts:
     ap.add_argument("--part", choices=parts, required=True)
   ap.add_argument("--shape", default="2,8192,32,128")
+  for flag, kwargs in extra:
+    ap.add_argument(flag, **kwargs)
   args = ap.parse_args()
   args.shape = tuple(int(x) for x in args.shape.split(","))
   return args
