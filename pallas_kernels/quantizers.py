@@ -83,6 +83,13 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
 # defaults are the large tiles (the same bits:
 # tests/test_prepare.py::test_quantizer_tiles_do_not_change_the_bits).
 ROWS_TILE = 32
+# Rows the pass with the query-block means (``shift="tile_mean"``, sage's Q:
+# 128-row tiles for the means, 32-row scale groups) shifts, scales and stores
+# at once after it has summed the whole tile: 0.165 -> 0.125 ms at
+# 2x8192x32x128 on the H100.  The other 128-row tiles (the key pass with the
+# bias, groups of 128 rows) ran slower in chunks, which would read them
+# twice or split the bias products (``benchmarks/quantizer_chunks.py``).
+CHUNK_ROWS = 64
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
 INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys, warps)
 
@@ -158,7 +165,7 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
 
 
 def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
-                 flag_nonfinite, given_scale):
+                 flag_nonfinite, given_scale, chunk):
   """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
   group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
   ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
@@ -170,7 +177,12 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   the bias.  With ``flag_nonfinite``, NaN/Inf elements count as 0 and the
   last output flags the rows that hold one.  ``given_scale``: one scale
   for the tile, given (the head's, from a whole-sequence amax), in place
-  of the groups' own."""
+  of the groups' own.
+
+  ``chunk`` rows (whole groups, a divisor of the tile) are shifted, scaled
+  and stored at a time: with ``shift="tile_mean"`` the tile is read once
+  whole for its mean and then a chunk at a time, so that the threads do
+  not hold the whole tile through the quantization."""
   refs = list(refs)
   shift_ref = refs.pop(0) if shift == "given" else None
   given_ref = refs.pop(0) if given_scale else None
@@ -178,26 +190,34 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   bad_ref = refs.pop() if flag_nonfinite else None
   o_ref, scale_ref, *extra_ref = refs   # extra: the bias or the tile mean
   block = x_ref.shape[0]
-  rows = pl.program_id(1) * block + jnp.arange(block)
-  keep = (rows < len_ref[0])[:, None]
-  x = x_ref[...].astype(jnp.float32)
+  first_row = pl.program_id(1) * block
   if shift == "tile_mean":
-    shift_row = _tile_mean(x, keep, len_ref[0] - pl.program_id(1) * block)
+    x = x_ref[...].astype(jnp.float32)
+    keep = ((first_row + jnp.arange(block)) < len_ref[0])[:, None]
+    shift_row = _tile_mean(x, keep, len_ref[0] - first_row)
     extra_ref[0][...] = shift_row
   elif shift:
     shift_row = shift_ref[...]
 
-  def shifted(x):  # y and its rows' amax
-    y = jnp.where(keep, x, 0.0)
-    if shift:
-      y = jnp.where(keep, y - shift_row[None, :], 0.0)
-    return y, jnp.abs(y).max(axis=1)
+  def rows(start, size):
+    """The shifted rows ``[start, start + size)`` of the tile, their amax
+    and (with ``flag_nonfinite``) their flags."""
+    at = pl.ds(start, size)
+    x = x_ref[at, :].astype(jnp.float32)
+    keep = ((first_row + start + jnp.arange(size)) < len_ref[0])[:, None]
 
-  if flag_nonfinite:
-    # One reduction gives the amax of a tile without NaN/Inf: with NaN
-    # counted as inf, the largest row max is inf where the tile holds one
-    # (or where x - shift overflows, for float32 inputs).  Only such a tile
-    # takes a second pass, with them counted as 0, and flags its rows.
+    def shifted(x):
+      y = jnp.where(keep, x, 0.0)
+      if shift:
+        y = jnp.where(keep, y - shift_row[None, :], 0.0)
+      return y, jnp.abs(y).max(axis=1)
+
+    if not flag_nonfinite:
+      return (*shifted(x), None)
+    # One reduction gives the amax of rows without NaN/Inf: with NaN
+    # counted as inf, the largest row max is inf where the rows hold one
+    # (or where x - shift overflows, for float32 inputs).  Only such rows
+    # take a second pass, with them counted as 0, and are flagged.
     y = x - shift_row[None, :] if shift else x
     row_max = jnp.where(y == y, jnp.abs(y), jnp.inf).max(axis=1)
 
@@ -206,51 +226,73 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
       return (*shifted(jnp.where(finite, x, 0.0)),
               jnp.where(finite, 0.0, 1.0).max(axis=1))
 
-    y, amax, bad_ref[...] = jax.lax.cond(
+    return jax.lax.cond(
         row_max.max() == jnp.inf, second_pass,
-        lambda: (jnp.where(keep, y, 0.0),
-                 jnp.where(keep[:, 0], row_max, 0.0),
+        lambda: (jnp.where(keep, y, 0.0), jnp.where(keep[:, 0], row_max, 0.0),
                  jnp.zeros_like(row_max)))
-  else:
-    y, amax = shifted(x)
-  if given_scale:
-    scale = jnp.broadcast_to(given_ref[...], (block,))
-  else:
-    if group > 1:
-      per_group = amax.reshape(block // group, group).max(axis=1)
-      amax = jnp.broadcast_to(per_group[:, None],
-                              (block // group, group)).reshape(block)
-    scale = amax * np.float32(1.0 / qmax)
-  z = y * common.reciprocal_rn(scale)[:, None]
-  if o_ref.dtype == jnp.int8:
-    z = jnp.clip(common.round_half_even(z), -qmax, qmax)
-  else:
-    z = jnp.clip(z, -FP8_MAX, FP8_MAX)
-  o_ref[...] = z.astype(o_ref.dtype)
-  scale_ref[...] = scale
-  if bias_chunk:
-    products = BIAS_PRODUCTS
-    if products not in ("f16x3", *_BIAS_PRESETS):
-      raise ValueError(f"BIAS_PRODUCTS must be 'f16x3' or one of "
-                       f"{tuple(_BIAS_PRESETS)}, got {products!r}")
-    if products == "f16x3":
-      y_unit, y_norm = _f16_split(y, amax)
-    precision = (jax.lax.Precision.HIGHEST if common.interpret()
-                 else _BIAS_PRESETS.get(products))
 
-    def chunk(c, carry):
-      at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
-      qm = qm_ref[at, :]
-      dot = functools.partial(_rows_dot, precision=precision)
-      if products == "f16x3":
-        q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
-        unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
-                + dot(q_unit[1], y_unit[0]))
-        extra_ref[0][at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
-      else:
-        extra_ref[0][at, :] = dot(qm, y)
-      return carry
-    jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, chunk, 0)
+  def store(start, y, scale):
+    at = pl.ds(start, y.shape[0])
+    z = y * common.reciprocal_rn(scale)[:, None]
+    if o_ref.dtype == jnp.int8:
+      z = jnp.clip(common.round_half_even(z), -qmax, qmax)
+    else:
+      z = jnp.clip(z, -FP8_MAX, FP8_MAX)
+    o_ref[at, :] = z.astype(o_ref.dtype)
+    scale_ref[at] = scale
+
+  def own_scales(amax):  # [n] row amax -> [n] group scales (groups <= n)
+    n = amax.shape[0]
+    if group > 1:
+      per_group = amax.reshape(n // group, group).max(axis=1)
+      amax = jnp.broadcast_to(per_group[:, None],
+                              (n // group, group)).reshape(n)
+    return amax * np.float32(1.0 / qmax)
+
+  def given():
+    return jnp.broadcast_to(given_ref[...], (chunk,))
+
+  def one(c, carry):
+    start = c * chunk if chunk == block else pl.multiple_of(c * chunk, chunk)
+    y, amax, bad = rows(start, chunk)
+    if flag_nonfinite:
+      bad_ref[pl.ds(start, chunk)] = bad
+    store(start, y, given() if given_scale else own_scales(amax))
+    if bias_chunk:                       # (the whole tile: start = 0)
+      _store_bias(qm_ref, extra_ref[0], y, amax, bias_chunk)
+    return carry
+  if chunk == block:
+    one(0, 0)
+  else:
+    jax.lax.fori_loop(0, block // chunk, one, 0)
+
+
+def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk):
+  """``q_m y^T`` in float32 for the tile's rows ``y`` (row amax ``amax``)
+  into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at a time
+  (:data:`BIAS_PRODUCTS`)."""
+  products = BIAS_PRODUCTS
+  if products not in ("f16x3", *_BIAS_PRESETS):
+    raise ValueError(f"BIAS_PRODUCTS must be 'f16x3' or one of "
+                     f"{tuple(_BIAS_PRESETS)}, got {products!r}")
+  if products == "f16x3":
+    y_unit, y_norm = _f16_split(y, amax)
+  precision = (jax.lax.Precision.HIGHEST if common.interpret()
+               else _BIAS_PRESETS.get(products))
+
+  def part(c, carry):
+    at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
+    qm = qm_ref[at, :]
+    dot = functools.partial(_rows_dot, precision=precision)
+    if products == "f16x3":
+      q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
+      unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
+              + dot(q_unit[1], y_unit[0]))
+      bias_ref[at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
+    else:
+      bias_ref[at, :] = dot(qm, y)
+    return carry
+  jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, part, 0)
 
 
 # How the quantizer's key pass forms SageAttention2's bias q_m y^T in
@@ -315,7 +357,7 @@ def _tile_mean(x, keep, count):
 def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                  scale=None, bias_q_mean=None, block: int | None = None,
                  num_warps: int | None = None, bias_chunk: int | None = None,
-                 flag_nonfinite: bool = False):
+                 chunk: int | None = None, flag_nonfinite: bool = False):
   """Q or K quantized per group of rows in one pass (a Pallas kernel).
 
   ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
@@ -341,11 +383,13 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   never reach memory.
 
   ``block`` (rows per tile; default ``max(ROWS_TILE, group)`` on the GPU,
-  128 with the bias or in the interpreter), ``num_warps`` (default 4) and
+  128 with the bias or in the interpreter), ``num_warps`` (default 4),
   ``bias_chunk`` (query-mean rows per bias product, 16 to 64; default the
-  largest that divides) are the kernel's knobs (4 warps and 64-row
-  products were the fastest for the key pass with the bias on an H100:
-  ``benchmarks/smooth_bias.py``).
+  largest that divides) and ``chunk`` (rows shifted, scaled and stored at
+  once, a power of two dividing ``block``; default :data:`CHUNK_ROWS`) are
+  the kernel's knobs, which leave the values as they are (4 warps and
+  64-row products were the fastest for the key pass with the bias on an
+  H100: ``benchmarks/smooth_bias.py``).
 
   ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
   scales, the values and the bias), and the rows that hold one are
@@ -358,7 +402,8 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   b, n_rows, h, d = x.shape
   if group not in (1, 2, 4, 8, 16, 32, 64, 128):
     raise ValueError(f"group must be a power of two up to 128, got {group}")
-  per_tile_shift = isinstance(shift, str) or (
+  tile_mean = isinstance(shift, str)
+  per_tile_shift = tile_mean or (
       shift is not None and shift.shape[1] > 1)
   if block is None:
     if per_tile_shift:   # the shift's rows are the caller's blocks
@@ -382,10 +427,17 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                            lambda bi, j, hi: (bi, j, hi, 0)),
               pl.BlockSpec((None, 1), lambda bi, j, hi: (bi, 0))]
   args = [x, jnp.minimum(jnp.asarray(lens, jnp.int32), n_rows).reshape(b, 1)]
-  tile_mean = isinstance(shift, str)
   if tile_mean and (shift != "tile_mean" or bias_q_mean is not None):
     raise ValueError(f"shift is an array or 'tile_mean' (without the bias),"
                      f" got {shift!r}")
+  chunk = min(chunk or (CHUNK_ROWS if tile_mean else block), block)
+  if (block % chunk or chunk & (chunk - 1)
+      or (scale is None and chunk % group)):
+    raise ValueError(f"chunk must be a power of two that divides the "
+                     f"tile's {block} rows and holds whole groups of "
+                     f"{group}, got {chunk}")
+  if bias_q_mean is not None and chunk != block:
+    raise ValueError("the key pass with the bias takes its tile whole")
   if shift is not None and not tile_mean:
     per_tile = shift.shape[1] > 1
     in_specs.append(pl.BlockSpec(
@@ -430,7 +482,7 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
       functools.partial(_rows_kernel, group=group, qmax=qmax,
                         shift=("tile_mean" if tile_mean else
                                "given" if shift is not None else None),
-                        bias_chunk=bias_chunk,
+                        bias_chunk=bias_chunk, chunk=chunk,
                         flag_nonfinite=flag_nonfinite,
                         given_scale=scale is not None),
       grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,

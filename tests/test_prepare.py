@@ -337,19 +337,22 @@ def test_quantizers_count_nonfinite_as_zero_and_flag_the_rows(grouped):
                                 want.transpose(0, 2, 1))
 
 
-@pytest.mark.parametrize("flag", [False, True])
-def test_rows_operand_tile_mean_is_the_query_block_mean(flag):
+@pytest.mark.parametrize("flag,chunk", [(False, None), (True, None),
+                                        (True, 16)])
+def test_rows_operand_tile_mean_is_the_query_block_mean(flag, chunk):
   """``shift="tile_mean"``: each tile subtracts its own rows' mean, which
   it returns; both equal the XLA query-block means and the pass given
   them (a last tile of 8 rows, NaN/Inf counted as 0 in the mean as in the
-  values, here bit for bit); rows at or past a length are left out of the
-  mean (numpy float64, to summation order) and quantize to 0."""
+  values, here bit for bit), whether the tile is quantized whole or in
+  chunks of 16 rows; rows at or past a length are left out of the mean
+  (numpy float64, to summation order) and quantize to 0."""
   x = jax.random.normal(jax.random.key(7), (2, 200, 2, 96), jnp.float16) + 2
   if flag:
     x = x.at[0, 70, 1, 5].set(jnp.inf).at[1, 199, 0, 0].set(jnp.nan)
   lens = jnp.array([200, 200])
   want_mean, _ = prepare._query_block_means(nonfinite.finite(x), 64)
-  kw = dict(group=16, dtype=jnp.int8, block=64, flag_nonfinite=flag)
+  kw = dict(group=16, dtype=jnp.int8, block=64, flag_nonfinite=flag,
+            chunk=chunk)
   got = quantizers.rows_operand(x, lens, shift="tile_mean", **kw)
   ref = quantizers.rows_operand(nonfinite.finite(x), lens, shift=want_mean,
                                 **kw)
@@ -375,6 +378,12 @@ def test_rows_operand_tile_mean_is_the_query_block_mean(flag):
   assert (np.asarray(got[1])[0, 160:] == 0).all()     # whole groups past it
   with pytest.raises(ValueError, match="tile_mean"):
     quantizers.rows_operand(x, lens, shift="tile_mean", bias_q_mean=x, **kw)
+  with pytest.raises(ValueError, match="whole groups of 16"):
+    quantizers.rows_operand(x, lens, shift="tile_mean",
+                            **dict(kw, chunk=8))
+  with pytest.raises(ValueError, match="bias takes its tile whole"):
+    quantizers.rows_operand(x, lens, group=16, dtype=jnp.int8, block=64,
+                            chunk=32, bias_q_mean=jnp.zeros((2, 2, 4, 96)))
 
 
 def test_rows_operand_flags_only_nonfinite_inputs():
@@ -426,3 +435,4 @@ def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
       guess = np.nextafter(guess, np.float32(np.inf if k > 0 else 0))
     np.testing.assert_array_equal(
         np.asarray(jax.jit(correct)(pos, guess.astype(np.float32))), want)
+
