@@ -396,26 +396,40 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
               k_bad=k_bad, k_mean=k_mean)
 
 
-def sage_v_stats(v, kv_lens, config) -> dict:
+def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
   """SageAttention2's V statistics in one reduction pass: ``v_mean``
   ``[B, K, D]`` (zeros without ``smooth_v``) and, for ``pv_dtype="fp8"``,
   ``v_scale = fl(max_s |fl(v - v_mean)| * fl(1/448))`` per channel, the
   same values as :func:`sage_inputs` from the channel's max and min
   (``fl(. - m)`` is monotonic, so ``max |fl(v - m)| = max(fl(v_max - m),
   fl(m - v_min))``) instead of a second pass over the smoothed V; with
-  ``pv_dtype="fp16"`` the smoothed float16 ``v``."""
+  ``pv_dtype="fp16"`` the smoothed float16 ``v``.
+
+  ``kernel``: the sum, max and min from :func:`quantizers.column_stats`
+  (NaN/Inf counted as 0, as :func:`nonfinite.finite` does), which sums in
+  another order than XLA: the mean may differ from the XLA pass's in its
+  last bits, and the scale with it."""
   f32 = jnp.float32
   b, s, nk, d = v.shape
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
   valid = _valid_keys(v, kv_lens)
   vf = v.astype(f32)
-  mean = _key_mean(v, kv_lens) if config.smooth_v else jnp.zeros(
-      (b, nk, d), f32)
-  if config.pv_dtype != "fp8":
-    return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
-                .astype(jnp.float16))
-  hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
-  lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
+  zeros = jnp.zeros((b, nk, d), f32)
+  if kernel and config.pv_dtype == "fp8":
+    total, hi, lo = quantizers.column_stats(v, kv_lens, extrema=True)
+    count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
+    mean = (sage.rounded(total * count[:, None, None]) if config.smooth_v
+            else zeros)
+  else:
+    if kernel:
+      v = nonfinite.finite(v)
+      vf = v.astype(f32)
+    mean = _key_mean(v, kv_lens) if config.smooth_v else zeros
+    if config.pv_dtype != "fp8":
+      return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
+                  .astype(jnp.float16))
+    hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
+    lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
   amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
   return dict(v_mean=mean,
               v_scale=sage.rounded(amax * sage.RCP_FP8_MAX))
@@ -513,7 +527,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
                k_mean=fused["k_mean"],
                q_scale_folded=fused["q_scale"] * sage.log2_scale(scale),
-               **sage_v_stats(fin(v), kv_lens, config))
+               **sage_v_stats(v, kv_lens, config, kernel=True))
       q_block_bias = fused["q_block_bias"]
     q8, k8, qk = z["q"], z["k"], "int8"
     if config.qk_dtype == "int4" and pack_int4:

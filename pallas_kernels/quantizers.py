@@ -5,6 +5,8 @@ on CPU) that make the quantized attention kernels' operands:
   scaled per group of rows and rounded to int8 (int4 values) or
   float8_e4m3fn; optionally the score bias ``q_m y^T`` of SageAttention2's
   query smoothing from the same tile;
+* :func:`column_stats`: a tensor's sum, max and min per channel over the
+  keys (SageAttention2's V mean and per-channel scale);
 * :func:`v_operand`: V, read once, shifted and scaled, written 8-bit and
   transposed to ``[B, K, D, S]`` (the key dimension contiguous, as the 8-bit
   tensor-core PV operand wants), optionally with each 16-key chunk in the
@@ -162,6 +164,82 @@ def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
     shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
   v8 = outs[0][:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
   return v8, (outs[1][:, :, :s] > 0 if flag_nonfinite else None)
+
+
+def _column_stats_kernel(x_ref, len_ref, sum_ref, *extrema_refs, chunk):
+  """One split of the keys, ``[rows, D]``, ``chunk`` rows at a time: each
+  thread adds its elements into a ``[chunk, D]`` accumulator (and keeps
+  their max and min), which are reduced over the rows once at the end."""
+  rows = x_ref.shape[0]
+  first = pl.program_id(2) * rows
+  f32 = jnp.float32
+
+  def step(c, carry):
+    start = pl.multiple_of(c * chunk, chunk)
+    x = x_ref[pl.ds(start, chunk), :].astype(f32)
+    visible = ((first + start + jnp.arange(chunk)) < len_ref[0])[:, None]
+    x = jnp.where(visible & jnp.isfinite(x), x, 0.0)
+    total = carry[0] + x
+    if not extrema_refs:
+      return (total,)
+    return (total, jnp.maximum(carry[1], jnp.where(visible, x, -jnp.inf)),
+            jnp.minimum(carry[2], jnp.where(visible, x, jnp.inf)))
+
+  shape = (chunk, x_ref.shape[1])
+  init = (jnp.zeros(shape, f32),)
+  if extrema_refs:
+    init += (jnp.full(shape, -jnp.inf, f32), jnp.full(shape, jnp.inf, f32))
+  out = jax.lax.fori_loop(0, rows // chunk, step, init)
+  sum_ref[...] = out[0].sum(axis=0)
+  if extrema_refs:
+    extrema_refs[0][...] = out[1].max(axis=0)
+    extrema_refs[1][...] = out[2].min(axis=0)
+
+
+# (splits of the keys per head, rows per step, warps) of
+# :func:`column_stats`: V's sum, max and min at 2x8192x32x128 in 0.061 ms on
+# the H100, where XLA's column reduction took 0.138
+# (``benchmarks/column_stats.py``).
+COLUMN_STATS_TILES = (8, 32, 4)
+
+
+def column_stats(x, lens, *, extrema: bool):
+  """Per channel over the keys of ``x`` ``[B, S, H, D]`` below ``lens``
+  (int32 ``[B]``), NaN/Inf counted as 0 (:func:`jaxattn.nonfinite.finite`),
+  in one pass (a Pallas kernel): the float32 sum ``[B, H, D]`` and, with
+  ``extrema``, the max and min (-inf and inf where no key is visible).
+
+  The sum's order is the kernel's: each of ``splits`` ranges of keys
+  accumulates elementwise, ``chunk`` rows at a time, then reduces its rows;
+  the ranges are added after.  (XLA's column reduction orders it
+  otherwise, so the two sums may differ in the last bits.)"""
+  b, s, h, d = x.shape
+  splits, chunk, num_warps = COLUMN_STATS_TILES
+  rows = common.round_up(-(-s // splits), chunk)
+  d_pad = pl.next_power_of_2(d)
+  x = common.pad_axis(common.pad_axis(x, 1, common.round_up(s, rows)), 3,
+                      d_pad)
+  splits = x.shape[1] // rows
+  part = pl.BlockSpec((None, None, None, d_pad),
+                      lambda bi, hi, j: (bi, hi, j, 0))
+  n_out = 3 if extrema else 1
+  outs = pl.pallas_call(
+      functools.partial(_column_stats_kernel, chunk=chunk),
+      grid=(b, h, splits),
+      in_specs=[pl.BlockSpec((None, rows, None, d_pad),
+                             lambda bi, hi, j: (bi, j, hi, 0)),
+                pl.BlockSpec((None, 1), lambda bi, hi, j: (bi, 0))],
+      out_specs=[part] * n_out,
+      out_shape=[jax.ShapeDtypeStruct((b, h, splits, d_pad),
+                                      jnp.float32)] * n_out,
+      compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                               num_stages=2),
+      interpret=common.interpret(), name="jaxattn_column_stats",
+  )(x, jnp.minimum(jnp.asarray(lens, jnp.int32), s).reshape(b, 1))
+  total = outs[0].sum(axis=2)[..., :d]
+  if not extrema:
+    return total, None, None
+  return total, outs[1].max(axis=2)[..., :d], outs[2].min(axis=2)[..., :d]
 
 
 def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,

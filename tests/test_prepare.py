@@ -436,3 +436,36 @@ def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
     np.testing.assert_array_equal(
         np.asarray(jax.jit(correct)(pos, guess.astype(np.float32))), want)
 
+
+def test_column_stats_sum_max_min_over_visible_finite_keys():
+  """quantizers.column_stats: per channel over the keys below the length,
+  NaN/Inf counted as 0: the sum (against float64 numpy, to float32
+  summation order), the max and min exactly (-inf / inf where no key is
+  visible), at a length that is no multiple of the splits and head dim 96;
+  sage's V statistics from it equal the XLA pass's, the mean to summation
+  order."""
+  x = data.channel_outlier(jax.random.key(9), (3, 250, 2, 96),
+                           jnp.float16)[1]
+  x = x.at[0, 10, 1, 5].set(jnp.nan).at[1, 3, 0, 0].set(-jnp.inf)
+  x = x.at[0, 240:].set(1e4)                         # past lens[0]
+  lens = jnp.array([230, 250, 0], jnp.int32)
+  total, hi, lo = quantizers.column_stats(x, lens, extrema=True)
+  xf = np.asarray(x, np.float64)
+  xf = np.where(np.isfinite(xf), xf, 0.0)
+  visible = np.arange(250)[None, :, None, None] < np.asarray(lens)[:, None,
+                                                                  None, None]
+  want = np.where(visible, xf, 0.0).sum(1)
+  np.testing.assert_allclose(np.asarray(total), want, rtol=1e-6,
+                             atol=1e-6 * np.abs(want).max())
+  np.testing.assert_array_equal(np.asarray(hi),
+                                np.where(visible, xf, -np.inf).max(1))
+  np.testing.assert_array_equal(np.asarray(lo),
+                                np.where(visible, xf, np.inf).min(1))
+  assert quantizers.column_stats(x, lens, extrema=False)[1] is None
+  cfg = sage.SageConfig.from_options(preset="sage2-8b")
+  got = prepare.sage_v_stats(x, lens, cfg, kernel=True)
+  ref = prepare.sage_v_stats(nonfinite.finite(x), lens, cfg)
+  for name in ("v_mean", "v_scale"):
+    np.testing.assert_allclose(np.asarray(got[name]), np.asarray(ref[name]),
+                               rtol=1e-6)
+  assert (np.asarray(got["v_scale"])[2] == 0).all()   # no visible key
