@@ -35,16 +35,18 @@ def main():
   calls = {}
   for name, fn in parts.items():
     calls[name] = jax.jit(fn).lower(k, v).compile()
-  for splits in (8, 16, 32):
-    for chunk in (32, 64):
-      for warps in (4, 8):
-        quantizers.COLUMN_STATS_TILES = (splits, chunk, warps)
-        tag = f"s{splits}_c{chunk}_w{warps}"
-        for extrema in (False, True):
-          calls[f"pallas_{'stats' if extrema else 'sum'}_{tag}"] = jax.jit(
-              lambda k, v, e=extrema: quantizers.column_stats(
-                  v if e else k, lens, extrema=e)).lower(k, v).compile()
-  quantizers.COLUMN_STATS_TILES = default
+  try:
+    for splits in (8, 16, 32):
+      for chunk in (32, 64):
+        for warps in (4, 8):
+          quantizers.COLUMN_STATS_TILES = (splits, chunk, warps)
+          tag = f"s{splits}_c{chunk}_w{warps}"
+          for extrema in (False, True):
+            calls[f"pallas_{'stats' if extrema else 'sum'}_{tag}"] = (
+                jax.jit(lambda k, v, e=extrema: quantizers.column_stats(
+                    v if e else k, lens, extrema=e)).lower(k, v).compile())
+  finally:
+    quantizers.COLUMN_STATS_TILES = default
   records, names = [], list(calls)
   for rnd in range(2):
     for name in (names if rnd % 2 == 0 else names[::-1]):

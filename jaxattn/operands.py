@@ -159,11 +159,16 @@ def _key_mean(x, kv_lens):
   """SageAttention2's token mean ``fl(sum_s x * fl(1 / n))`` over the ``n =
   min(kv_len, S)`` visible keys of ``x`` ``[B, S, K, D]``: ``[B, K, D]``
   float32 (:func:`jaxattn.sage.quantize_kv_head`'s ``k_mean``)."""
-  s = x.shape[1]
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
-  count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
   visible = jnp.where(_valid_keys(x, kv_lens), x.astype(jnp.float32), 0.0)
-  return sage.rounded(visible.sum(axis=1) * count[:, None, None])
+  return _token_mean(visible.sum(axis=1), kv_lens, x.shape[1])
+
+
+def _token_mean(total, kv_lens, s: int):
+  """``fl(total * fl(1 / n))`` with ``n = max(min(kv_len, s), 1)``: the
+  mean of ``[B, K, D]`` sums over each batch row's visible keys."""
+  count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
+  return sage.rounded(total * count[:, None, None])
 
 
 def _query_block_means(q, block_q: int):
@@ -405,25 +410,24 @@ def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
   fl(m - v_min))``) instead of a second pass over the smoothed V; with
   ``pv_dtype="fp16"`` the smoothed float16 ``v``.
 
-  ``kernel``: the sum, max and min from :func:`quantizers.column_stats`
-  (NaN/Inf counted as 0, as :func:`nonfinite.finite` does), which sums in
-  another order than XLA: the mean may differ from the XLA pass's in its
-  last bits, and the scale with it."""
+  ``kernel``: NaN/Inf count as 0 (as :func:`nonfinite.finite` makes
+  them), and for fp8 PV where :func:`quantizers.column_stats_fits` the
+  sum, max and min come from that Pallas pass, which sums in another
+  order than XLA: the mean may differ from the XLA pass's in its last
+  bits, and the scale with it."""
   f32 = jnp.float32
   b, s, nk, d = v.shape
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
-  valid = _valid_keys(v, kv_lens)
-  vf = v.astype(f32)
   zeros = jnp.zeros((b, nk, d), f32)
-  if kernel and config.pv_dtype == "fp8":
+  if (kernel and config.pv_dtype == "fp8"
+      and quantizers.column_stats_fits(s, d)):
     total, hi, lo = quantizers.column_stats(v, kv_lens, extrema=True)
-    count = quant.reciprocal(jnp.maximum(jnp.minimum(kv_lens, s), 1))
-    mean = (sage.rounded(total * count[:, None, None]) if config.smooth_v
-            else zeros)
+    mean = _token_mean(total, kv_lens, s) if config.smooth_v else zeros
   else:
     if kernel:
       v = nonfinite.finite(v)
-      vf = v.astype(f32)
+    valid = _valid_keys(v, kv_lens)
+    vf = v.astype(f32)
     mean = _key_mean(v, kv_lens) if config.smooth_v else zeros
     if config.pv_dtype != "fp8":
       return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)

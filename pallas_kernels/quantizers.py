@@ -90,7 +90,8 @@ ROWS_TILE = 32
 # at once after it has summed the whole tile: 0.165 -> 0.125 ms at
 # 2x8192x32x128 on the H100.  The other 128-row tiles (the key pass with the
 # bias, groups of 128 rows) ran slower in chunks, which would read them
-# twice or split the bias products (``benchmarks/quantizer_chunks.py``).
+# twice or split the bias products (``benchmarks/sage_prep_ab.py``; the
+# slower forms in ``results/2026-11-27_h100_quantizer_chunks_all_passes.json``).
 CHUNK_ROWS = 64
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
 INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys, warps)
@@ -196,11 +197,29 @@ def _column_stats_kernel(x_ref, len_ref, sum_ref, *extrema_refs, chunk):
     extrema_refs[1][...] = out[2].min(axis=0)
 
 
-# (splits of the keys per head, rows per step, warps) of
+# (most splits of the keys per head, rows per step, warps) of
 # :func:`column_stats`: V's sum, max and min at 2x8192x32x128 in 0.061 ms on
 # the H100, where XLA's column reduction took 0.138
 # (``benchmarks/column_stats.py``).
 COLUMN_STATS_TILES = (8, 32, 4)
+
+
+def _column_splits(steps: int) -> int:
+  """The most ranges, up to ``COLUMN_STATS_TILES[0]``, that split ``steps``
+  steps of keys evenly."""
+  return max(n for n in range(1, COLUMN_STATS_TILES[0] + 1)
+             if steps % n == 0)
+
+
+def column_stats_fits(s: int, d: int) -> bool:
+  """Whether :func:`column_stats` reads ``[B, s, H, d]`` in place and in
+  at least half its ranges: whole steps of keys, a head dim that is a
+  power of two (else it copies the tensor padded, which costs more than
+  the pass saves) and a step count with a divisor that large (else too
+  few programs read the tensor)."""
+  max_splits, chunk, _ = COLUMN_STATS_TILES
+  return (s % chunk == 0 and d == pl.next_power_of_2(d)
+          and 2 * _column_splits(s // chunk) >= max_splits)
 
 
 def column_stats(x, lens, *, extrema: bool):
@@ -209,17 +228,18 @@ def column_stats(x, lens, *, extrema: bool):
   in one pass (a Pallas kernel): the float32 sum ``[B, H, D]`` and, with
   ``extrema``, the max and min (-inf and inf where no key is visible).
 
-  The sum's order is the kernel's: each of ``splits`` ranges of keys
-  accumulates elementwise, ``chunk`` rows at a time, then reduces its rows;
-  the ranges are added after.  (XLA's column reduction orders it
-  otherwise, so the two sums may differ in the last bits.)"""
+  The sum's order is the kernel's: each of up to ``splits`` equal ranges
+  of keys accumulates elementwise, ``chunk`` rows at a time, then reduces
+  its rows; the ranges are added after.  (XLA's column reduction orders it
+  otherwise, so the two sums may differ in the last bits.)  Shapes that
+  :func:`column_stats_fits` refuses are padded (a copy)."""
   b, s, h, d = x.shape
-  splits, chunk, num_warps = COLUMN_STATS_TILES
-  rows = common.round_up(-(-s // splits), chunk)
+  _, chunk, num_warps = COLUMN_STATS_TILES
   d_pad = pl.next_power_of_2(d)
-  x = common.pad_axis(common.pad_axis(x, 1, common.round_up(s, rows)), 3,
+  x = common.pad_axis(common.pad_axis(x, 1, common.round_up(s, chunk)), 3,
                       d_pad)
-  splits = x.shape[1] // rows
+  splits = _column_splits(x.shape[1] // chunk)
+  rows = x.shape[1] // splits
   part = pl.BlockSpec((None, None, None, d_pad),
                       lambda bi, hi, j: (bi, hi, j, 0))
   n_out = 3 if extrema else 1
@@ -464,10 +484,13 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   128 with the bias or in the interpreter), ``num_warps`` (default 4),
   ``bias_chunk`` (query-mean rows per bias product, 16 to 64; default the
   largest that divides) and ``chunk`` (rows shifted, scaled and stored at
-  once, a power of two dividing ``block``; default :data:`CHUNK_ROWS`) are
-  the kernel's knobs, which leave the values as they are (4 warps and
-  64-row products were the fastest for the key pass with the bias on an
-  H100: ``benchmarks/smooth_bias.py``).
+  once, a power of two dividing ``block`` into whole groups; default
+  :data:`CHUNK_ROWS` or one group with ``shift="tile_mean"``, else the
+  whole tile) are speed knobs (4 warps and 64-row products were the
+  fastest for the key pass with the bias on an H100:
+  ``benchmarks/smooth_bias.py``).  They leave the values as they are,
+  except that on the GPU a tile mean's float32 sum may take another order
+  in Triton's layout.
 
   ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
   scales, the values and the bias), and the rows that hold one are
@@ -508,12 +531,15 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   if tile_mean and (shift != "tile_mean" or bias_q_mean is not None):
     raise ValueError(f"shift is an array or 'tile_mean' (without the bias),"
                      f" got {shift!r}")
-  chunk = min(chunk or (CHUNK_ROWS if tile_mean else block), block)
-  if (block % chunk or chunk & (chunk - 1)
-      or (scale is None and chunk % group)):
-    raise ValueError(f"chunk must be a power of two that divides the "
-                     f"tile's {block} rows and holds whole groups of "
-                     f"{group}, got {chunk}")
+  if chunk is None:
+    chunk = min(block, max(CHUNK_ROWS, group)) if tile_mean else block
+  whole_groups = scale is not None or chunk % group == 0
+  if (chunk < 1 or chunk & (chunk - 1) or chunk > block or block % chunk
+      or not whole_groups):
+    raise ValueError(
+        f"chunk must be a power of two that divides the tile's {block} rows"
+        + ("" if scale is not None else f" into whole groups of {group}")
+        + f", got {chunk}")
   if bias_q_mean is not None and chunk != block:
     raise ValueError("the key pass with the bias takes its tile whole")
   if shift is not None and not tile_mean:

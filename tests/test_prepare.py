@@ -168,6 +168,7 @@ def test_v_in_mosaic_key_order(method):
     ("sage", dict(preset="sage1"), dict(d=96)),
     ("sage", dict(qk_granularity="token", smooth_v=False), dict()),
     ("sage", dict(block_k=128, block_q=64, warp_rows=16), dict(t=129)),
+    ("sage", dict(qk_granularity="block"), dict()),   # Q groups of 128 rows
     ("int8", dict(), dict(d=96)),
     ("fp8", dict(), dict(s=77)),                       # per head
     ("fp8", dict(granularity="block"), dict()),
@@ -355,7 +356,7 @@ def test_rows_operand_tile_mean_is_the_query_block_mean(flag, chunk):
             chunk=chunk)
   got = quantizers.rows_operand(x, lens, shift="tile_mean", **kw)
   ref = quantizers.rows_operand(nonfinite.finite(x), lens, shift=want_mean,
-                                **kw)
+                                **dict(kw, chunk=None))     # the whole tile
   assert got[2].shape == want_mean.shape == (2, 4, 2, 96)
   np.testing.assert_array_equal(np.asarray(got[2]), np.asarray(want_mean))
   for g, r in zip(got[:2], ref[:2]):
@@ -378,9 +379,10 @@ def test_rows_operand_tile_mean_is_the_query_block_mean(flag, chunk):
   assert (np.asarray(got[1])[0, 160:] == 0).all()     # whole groups past it
   with pytest.raises(ValueError, match="tile_mean"):
     quantizers.rows_operand(x, lens, shift="tile_mean", bias_q_mean=x, **kw)
-  with pytest.raises(ValueError, match="whole groups of 16"):
-    quantizers.rows_operand(x, lens, shift="tile_mean",
-                            **dict(kw, chunk=8))
+  for bad in (8, 0, 128, 48):   # splits groups, none, past the tile, odd
+    with pytest.raises(ValueError, match="whole groups of 16"):
+      quantizers.rows_operand(x, lens, shift="tile_mean",
+                              **dict(kw, chunk=bad))
   with pytest.raises(ValueError, match="bias takes its tile whole"):
     quantizers.rows_operand(x, lens, group=16, dtype=jnp.int8, block=64,
                             chunk=32, bias_q_mean=jnp.zeros((2, 2, 4, 96)))
@@ -441,9 +443,10 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
   """quantizers.column_stats: per channel over the keys below the length,
   NaN/Inf counted as 0: the sum (against float64 numpy, to float32
   summation order), the max and min exactly (-inf / inf where no key is
-  visible), at a length that is no multiple of the splits and head dim 96;
-  sage's V statistics from it equal the XLA pass's, the mean to summation
-  order."""
+  visible), at a length that is no multiple of its steps and head dim 96
+  (padded); sage's V statistics from it equal the XLA pass's, the mean to
+  summation order, where it reads V in place, and are the XLA pass's
+  elsewhere."""
   x = data.channel_outlier(jax.random.key(9), (3, 250, 2, 96),
                            jnp.float16)[1]
   x = x.at[0, 10, 1, 5].set(jnp.nan).at[1, 3, 0, 0].set(-jnp.inf)
@@ -462,10 +465,21 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
   np.testing.assert_array_equal(np.asarray(lo),
                                 np.where(visible, xf, np.inf).min(1))
   assert quantizers.column_stats(x, lens, extrema=False)[1] is None
+  assert not quantizers.column_stats_fits(250, 96)
+  assert not quantizers.column_stats_fits(256, 96)
+  assert not quantizers.column_stats_fits(32 * 11, 64)   # one range only
+  assert quantizers.column_stats_fits(256, 64)
   cfg = sage.SageConfig.from_options(preset="sage2-8b")
-  got = prepare.sage_v_stats(x, lens, cfg, kernel=True)
-  ref = prepare.sage_v_stats(nonfinite.finite(x), lens, cfg)
-  for name in ("v_mean", "v_scale"):
-    np.testing.assert_allclose(np.asarray(got[name]), np.asarray(ref[name]),
-                               rtol=1e-6)
-  assert (np.asarray(got["v_scale"])[2] == 0).all()   # no visible key
+  for v in (x[..., :64].at[:, 250:].set(0.0), x):      # 256 keys / as is
+    v = jnp.pad(v, [(0, 0), (0, 6), (0, 0), (0, 0)]) if v.shape[3] == 64 \
+        else v
+    got = prepare.sage_v_stats(v, lens, cfg, kernel=True)
+    ref = prepare.sage_v_stats(nonfinite.finite(v), lens, cfg)
+    for name in ("v_mean", "v_scale"):
+      r = np.asarray(ref[name])
+      if quantizers.column_stats_fits(v.shape[1], v.shape[3]):
+        np.testing.assert_allclose(np.asarray(got[name]), r, rtol=1e-6,
+                                   atol=1e-6 * np.abs(r).max())
+      else:
+        np.testing.assert_array_equal(np.asarray(got[name]), r)
+    assert (np.asarray(got["v_scale"])[2] == 0).all()   # no visible key
