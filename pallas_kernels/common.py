@@ -98,8 +98,8 @@ def multiply_rn(a, b):
   """``fl(a * b)`` of float32 arrays inside a Pallas Triton kernel, rounded
   once and never contracted into a later add (``mul.rn.f32`` on the GPU;
   LLVM would otherwise fuse ``x - a * b`` into an FMA)."""
-  if interpret():
-    return a * b
+  if interpret():   # (XLA:CPU contracts too, as the program around allows)
+    return jax.lax.optimization_barrier(a * b)
   return pl_triton.elementwise_inline_asm(
       "mul.rn.f32 $0, $1, $2;", args=[a, b], constraints="=f,f,f", pack=1,
       result_shape_dtypes=[jax.ShapeDtypeStruct(a.shape, jnp.float32)])[0]

@@ -175,7 +175,13 @@ def _quant_kernel(q_ref, qs_ref, k_ref, ks_ref, v_ref, bounds_ref, range_ref,
   empty = l == 0
   out = o / jnp.where(empty, 1.0, l)[:, None]
   if has_epilogue:  # per-channel output scale and shift (e.g. V's mean)
-    out = out * scale_ref[...][None, :] + shift_ref[...][None, :]
+    scaled = out * scale_ref[...][None, :]
+    if common.interpret():
+      # XLA:CPU contracts the product into the add or not as the program
+      # around the kernel lets it fuse (a shard_map body and the whole call
+      # differed by an ulp); rounded once there, the same in every program
+      scaled = jax.lax.optimization_barrier(scaled)
+    out = scaled + shift_ref[...][None, :]
   o_ref[...] = jnp.where(empty[:, None], 0.0, out).astype(o_ref.dtype)
 
 
