@@ -256,7 +256,10 @@ def column_stats(x, lens, *, extrema: bool):
                                                num_stages=2),
       interpret=common.interpret(), name="jaxattn_column_stats",
   )(x, jnp.minimum(jnp.asarray(lens, jnp.int32), s).reshape(b, 1))
-  total = outs[0].sum(axis=2)[..., :d]
+  # the ranges added in order (a reduce would leave the order to XLA,
+  # which may change it with the program around it, e.g. per shard)
+  total = functools.reduce(jnp.add, [outs[0][:, :, i]
+                                     for i in range(splits)])[..., :d]
   if not extrema:
     return total, None, None
   return total, outs[1].max(axis=2)[..., :d], outs[2].min(axis=2)[..., :d]
