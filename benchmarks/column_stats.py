@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import nonfinite, operands, sage
-from jaxattn.tuning import benchmark_args, device_ms, random_btnh, write_record
+from jaxattn.tuning import (benchmark_args, device_rounds, random_btnh,
+                            write_record)
 from pallas_kernels import quantizers
 
 
@@ -47,15 +48,8 @@ def main():
                     v if e else k, lens, extrema=e)).lower(k, v).compile())
   finally:
     quantizers.COLUMN_STATS_TILES = default
-  records, names = [], list(calls)
-  for rnd in range(2):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      records.append(dict(round=rnd, call=name,
-                          device_ms=device_ms(calls[name], (k, v))))
-  for name in names:
-    print(f"{name:30s} " + " ".join(
-        f"{r['device_ms'] or float('nan'):.4f}" for r in records
-        if r["call"] == name) + " ms (GPU)", flush=True)
+  records = device_rounds(calls, (k, v),
+                          log=lambda m: print(m, flush=True))
   write_record(args.out, shape=args.shape, rows=records)
 
 

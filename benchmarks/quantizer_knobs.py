@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, ".")
-from jaxattn.tuning import (benchmark_args, device_ms,  # noqa: E402
+from jaxattn.tuning import (benchmark_args, device_rounds,  # noqa: E402
                             random_btnh, write_record)
 from pallas_kernels import quantizers  # noqa: E402
 
@@ -64,16 +64,8 @@ def main():
       calls[name] = jax.jit(fn).lower(q, v).compile()
     except Exception as e:  # noqa: BLE001  (a knob the lowering refuses)
       print(f"{name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
-  records, names = [], list(calls)
-  for rnd in range(2):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      ms = device_ms(calls[name], (q, v))
-      records.append(dict(round=rnd, call=name, device_ms=ms))
-  for name in names:
-    print(f"{name:28s} " + " ".join(
-        f"{r['device_ms'] or float('nan'):.4f}" for r in records
-        if r["call"] == name)
-        + " ms (GPU)", flush=True)
+  records = device_rounds(calls, (q, v),
+                          log=lambda m: print(m, flush=True))
   write_record(args.out, shape=args.shape, rows=records)
 
 

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 
 from jaxattn import nonfinite, operands
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
-                            device_ms, nonfinite_inputs, random_btnh,
+                            device_rounds, nonfinite_inputs, random_btnh,
                             record_against_cudnn)
 from pallas_kernels import quantizers
 
@@ -51,16 +51,7 @@ def q_pass_times(q):
         flag_nonfinite=True)
     calls[f"sage_q_tile_mean_c{chunk}_w{warps}"] = (
         jax.jit(fn).lower(q).compile())
-  records, names = [], list(calls)
-  for rnd in range(2):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      records.append(dict(round=rnd, call=name,
-                          device_ms=device_ms(calls[name], (q,))))
-  for name in names:
-    print(f"{name:30s} " + " ".join(
-        f"{r['device_ms'] or float('nan'):.4f}" for r in records
-        if r["call"] == name) + " ms (GPU)", flush=True)
-  return records
+  return device_rounds(calls, (q,), log=lambda m: print(m, flush=True))
 
 
 def _xla_v_stats(v, kv_lens, config, *, kernel=False):

@@ -105,6 +105,23 @@ def device_ms(fn, args, calls: int = 5):
   return statistics.median(sum(k[2] for k in c) / 1e6 for c in per_call)
 
 
+def device_rounds(calls, args, rounds: int = 2, log=print):
+  """Each compiled call of ``calls`` (name -> callable) on ``args``, timed
+  by the GPU time of its kernels (:func:`device_ms`), in ``rounds`` rounds
+  of alternating order; logs one line per call.  Returns the records
+  ``{round, call, device_ms}`` (``device_ms`` None without a GPU)."""
+  records, names = [], list(calls)
+  for rnd in range(rounds):
+    for name in (names if rnd % 2 == 0 else names[::-1]):
+      records.append(dict(round=rnd, call=name,
+                          device_ms=device_ms(calls[name], args)))
+  for name in names:
+    log(f"{name:30s} " + " ".join(
+        f"{r['device_ms'] or float('nan'):.4f}" for r in records
+        if r["call"] == name) + " ms (GPU)")
+  return records
+
+
 def benchmark_args(causal: bool = False, parts=None, extra=()):
   """The A/B scripts' command line: ``OUT.json [--causal] [--part P]
   [--shape B,S,N,D]`` (default the issue's 2,8192,32,128); ``.shape`` a
