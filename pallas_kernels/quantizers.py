@@ -281,9 +281,10 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   of the groups' own.
 
   ``chunk`` rows (whole groups, a divisor of the tile) are shifted, scaled
-  and stored at a time: with ``shift="tile_mean"`` the tile is read once
-  whole for its mean and then a chunk at a time, so that the threads do
-  not hold the whole tile through the quantization."""
+  and stored at a time: with ``shift="tile_mean"`` the tile is read whole
+  for its mean and then again a chunk at a time (smaller chunks than the
+  tile), so that the threads do not hold the whole tile through the
+  quantization."""
   refs = list(refs)
   shift_ref = refs.pop(0) if shift == "given" else None
   given_ref = refs.pop(0) if given_scale else None
@@ -292,10 +293,11 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   o_ref, scale_ref, *extra_ref = refs   # extra: the bias or the tile mean
   block = x_ref.shape[0]
   first_row = pl.program_id(1) * block
+  tile = None      # the whole tile, where it is read whole anyway
   if shift == "tile_mean":
-    x = x_ref[...].astype(jnp.float32)
+    tile = x_ref[...].astype(jnp.float32)
     keep = ((first_row + jnp.arange(block)) < len_ref[0])[:, None]
-    shift_row = _tile_mean(x, keep, len_ref[0] - first_row)
+    shift_row = _tile_mean(tile, keep, len_ref[0] - first_row)
     extra_ref[0][...] = shift_row
   elif shift:
     shift_row = shift_ref[...]
@@ -303,8 +305,10 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   def rows(start, size):
     """The shifted rows ``[start, start + size)`` of the tile, their amax
     and (with ``flag_nonfinite``) their flags."""
-    at = pl.ds(start, size)
-    x = x_ref[at, :].astype(jnp.float32)
+    if size == block and tile is not None:
+      x = tile
+    else:
+      x = x_ref[pl.ds(start, size), :].astype(jnp.float32)
     keep = ((first_row + start + jnp.arange(size)) < len_ref[0])[:, None]
 
     def shifted(x):
@@ -353,19 +357,21 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   def given():
     return jnp.broadcast_to(given_ref[...], (chunk,))
 
-  def one(c, carry):
-    start = c * chunk if chunk == block else pl.multiple_of(c * chunk, chunk)
+  def quantize(start):
     y, amax, bad = rows(start, chunk)
     if flag_nonfinite:
       bad_ref[pl.ds(start, chunk)] = bad
     store(start, y, given() if given_scale else own_scales(amax))
     if bias_chunk:                       # (the whole tile: start = 0)
       _store_bias(qm_ref, extra_ref[0], y, amax, bias_chunk)
-    return carry
+
   if chunk == block:
-    one(0, 0)
+    quantize(0)
   else:
-    jax.lax.fori_loop(0, block // chunk, one, 0)
+    def step(c, carry):
+      quantize(pl.multiple_of(c * chunk, chunk))
+      return carry
+    jax.lax.fori_loop(0, block // chunk, step, 0)
 
 
 def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk):
