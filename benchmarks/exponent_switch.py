@@ -3,56 +3,130 @@ exact exponents, end to end on the H100, in one process against cuDNN
 bfloat16:
 
   python benchmarks/exponent_switch.py OUT.json [--causal]
-      --part methods|fp32 [--shape B,S,N,D]
+      --part methods|fp32|flag|stack [--shape B,S,N,D] [--layers L]
 
-``cond``: an XLA ``lax.cond`` on a bound of the scores
-(``jaxattn.backends.mosaic._exact_when_needed``; the quantized methods'
-default), which for ``fp32`` reads Q and K for their largest row norms
-(``FP32_SCORE_BOUND``); ``fused``: the fused exponent always, with no
-bound and no conditional (the time the choice costs; not safe for huge
-scores); with ``--part fp32`` (fp32 only) also ``exact``: the exact
-exponent always, with no bound (fp32's default since ``b885042``).
-Packed rows (8 documents of random lengths per row) run in the causal
-calls.  Each call is compiled ahead of time, then timed in three rounds
-of alternating order; the record's ``checks`` say whether the first two
+``kernel``: the kernel holds both exponents and branches on the flag of a
+bound on the scores (``jaxattn.backends.mosaic._exact_when_needed``, the
+default); ``cond``: an XLA ``lax.cond`` on that bound picks one of two
+kernels (``EXPONENT_BY_COND``; the host waits for its predicate); ``fused``:
+the fused exponent always, with no bound and no choice (the time the
+choice costs; not safe for huge scores); with ``--part fp32`` (fp32 only)
+also ``exact``: the exact exponent always, with no bound (fp32's default
+since ``b885042``), and ``cond`` reads Q and K for fp32's bound
+(``FP32_SCORE_BOUND``).  ``--part methods`` compares ``cond`` with
+``fused``; ``--part flag`` ``kernel`` with ``cond`` and ``fused`` for the
+quantized methods; ``--part stack`` times ``--layers`` calls in a row in
+one jitted function (each output the next call's queries, as layers
+chain), where a host wait per call also holds back the launches behind
+it, against as many cuDNN calls.  Packed rows (8 documents of random
+lengths per row) run in the causal calls of ``methods`` and ``flag``.
+Each call is compiled ahead of time, then timed in three rounds of
+alternating order; the record's ``checks`` say whether the first two
 settings' outputs are the same bits, on ordinary inputs and with a NaN in
 one query row and an Inf in one key.
 """
 
+import functools
+
+import jax
 import numpy as np
 
+from jaxattn import api
 from jaxattn.backends import mosaic as mosaic_backend
-from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
+                            benchmark_args,
                             nonfinite_inputs, packed_segments, random_btnh,
-                            record_against_cudnn)
+                            record_against_cudnn, write_record)
 
-ATTRS = ("FP32_SCORE_BOUND", "_exact_when_needed")
-SETTINGS = (
-    ("cond", (True, mosaic_backend._exact_when_needed)),
-    ("fused", (True, lambda kernel, bound: kernel(exact_exponent=False))),
-    ("exact", (False, mosaic_backend._exact_when_needed)))
+ATTRS = ("FP32_SCORE_BOUND", "EXPONENT_BY_COND", "_exact_when_needed")
+DEFAULT = mosaic_backend._exact_when_needed
+FUSED = lambda kernel, bound: kernel(exact_exponent=False)
+SETTINGS = {
+    "methods": (("cond", (True, True, DEFAULT)),
+                ("fused", (True, True, FUSED))),
+    "fp32": (("cond", (True, True, DEFAULT)), ("fused", (True, True, FUSED)),
+             ("exact", (False, True, DEFAULT))),
+    "flag": (("kernel", (False, False, DEFAULT)),
+             ("cond", (False, True, DEFAULT)),
+             ("fused", (False, False, FUSED))),
+}
+SETTINGS["stack"] = SETTINGS["flag"][:2]
+QUANTIZED = ("int8", "sage", "fp8", "fmha_int8")
 
 
-def main(out_path, causal, shape, part):
-  q, k, v = random_btnh(shape)
-  inputs = [(q, k, v),
-            nonfinite_inputs(q, k, v)]
-  segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
-  plain = ("fp32",) if part == "fp32" else ("fp32", "int8", "sage", "fp8")
-  packed = ("fp32",) if part == "fp32" else ("fp32", "fp8")
+def _defaults():
+  for a, x in zip(ATTRS, SETTINGS["flag"][0][1]):
+    setattr(mosaic_backend, a, x)
+
+
+def stack_calls(settings, methods, q, k, v, *, causal, layers):
+  """``"method/setting" -> (compiled, (q, k, v))``: ``layers`` API calls in
+  a row, each output the next one's queries, and the cuDNN bfloat16 stack
+  as the reference; checks as :func:`api_calls_per_setting`'s."""
+  def stack(attend):
+    def run(q, k, v):
+      for _ in range(layers):
+        q = attend(q, k, v).astype(q.dtype)
+      return q
+    return jax.jit(run)
+
+  calls, checks = {}, {}
+  for method in methods:
+    outs = []
+    for setting, value in settings:
+      for a, x in zip(ATTRS, value):
+        setattr(mosaic_backend, a, x)
+      jax.clear_caches()
+      fn = stack(functools.partial(api.dot_product_attention,
+                                   is_causal=causal, method=method,
+                                   implementation="mosaic"))
+      compiled = fn.lower(q, k, v).compile()
+      calls[f"{method}/{setting}"] = (compiled, (q, k, v))
+      outs.append([np.asarray(compiled(*x), np.float32)
+                   for x in ((q, k, v), nonfinite_inputs(q, k, v))])
+    checks[method] = dict(same_bits=[
+        bool(np.array_equal(a, c, equal_nan=True))
+        for a, c in zip(*outs[:2])])
+    print(method, checks[method], flush=True)
+  _defaults()
+  ref_args = tuple(x.astype(jax.numpy.bfloat16) for x in (q, k, v))
+  reference = (stack(functools.partial(
+      jax.nn.dot_product_attention, is_causal=causal,
+      implementation=(
+          "cudnn" if jax.default_backend() == "gpu" else "xla"))), ref_args)
+  return calls, checks, reference
+
+
+def main(a):
+  q, k, v = random_btnh(a.shape)
+  if a.part == "stack":
+    calls, checks, reference = stack_calls(
+        SETTINGS["stack"], QUANTIZED, q, k, v, causal=a.causal,
+        layers=a.layers)
+    rows = alternating_rounds(calls, reference=reference,
+                              log=lambda m: print(m, flush=True))
+    b, s, h, d = a.shape
+    write_record(a.out, causal=a.causal, shape=f"BTNH {b}x{s}x{h}x{d}",
+                 layers=a.layers, reference=f"cuDNN bf16 x {a.layers}",
+                 rows=rows, checks=checks)
+    return
+  inputs = [(q, k, v), nonfinite_inputs(q, k, v)]
+  segs = packed_segments(np.random.default_rng(0), a.shape[0], a.shape[1], 8)
+  plain = {"fp32": ("fp32",), "methods": ("fp32", "int8", "sage", "fp8"),
+           "flag": QUANTIZED}[a.part]
+  packed = {"fp32": ("fp32",), "methods": ("fp32", "fp8"),
+            "flag": ("fp8", "sage")}[a.part]
   methods = [(m, m, {}) for m in plain]
-  if causal:
+  if a.causal:
     methods += [(f"packed_{m}", m, {"q_segment_ids": segs}) for m in packed]
-  settings = SETTINGS if part == "fp32" else SETTINGS[:2]
   calls, checks = api_calls_per_setting(
-      mosaic_backend, ATTRS, settings, methods, inputs,
-      causal=causal, log=lambda m: print(m, flush=True))
-  mosaic_backend.FP32_SCORE_BOUND = False   # the defaults
-  mosaic_backend._exact_when_needed = SETTINGS[0][1][1]
-  record_against_cudnn(out_path, calls, (q, k, v), causal=causal,
+      mosaic_backend, ATTRS, SETTINGS[a.part], methods, inputs,
+      causal=a.causal, log=lambda m: print(m, flush=True))
+  _defaults()
+  record_against_cudnn(a.out, calls, (q, k, v), causal=a.causal,
                        checks=checks)
 
 
 if __name__ == "__main__":
-  a = benchmark_args(causal=True, parts=("methods", "fp32"))
-  main(a.out, a.causal, a.shape, a.part)
+  main(benchmark_args(causal=True, parts=tuple(SETTINGS), extra=(
+      ("--layers", dict(type=int, default=8)),)))

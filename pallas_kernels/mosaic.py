@@ -433,16 +433,13 @@ def _block_anchored_p(s, c, m, l, *, masked, exact_exponent,
       m_new, a_prev * l + a_cur * e.sum(axis=1), a_prev, a_cur)
 
 
-def _log_sum_exp(m, l, empty, *, pv, c, m_scaled):
+def _log_sum_exp(m, l, empty, *, pv):
   """The natural-log log-sum-exp of each row's scaled scores from the online
-  softmax's state: the running max ``m`` (base 2 where ``m_scaled``, else
-  in the units of the scores, times ``c``) and the sum ``l`` of the P the
-  kernel formed (in units of 1/448 for fp8 P, 1/127 for int8 P); ``-inf``
-  for a row that saw no key."""
+  softmax's state: the running max ``m`` in base 2 and the sum ``l`` of the
+  P the kernel formed (in units of 1/448 for fp8 P, 1/127 for int8 P);
+  ``-inf`` for a row that saw no key."""
   f32 = jnp.float32
   m = m.astype(f32)
-  if not m_scaled:
-    m = m * c
   unit = {"fp8": FP8_MAX, "int8": 127.0}.get(pv, 1.0)
   lse = m * math.log(2.0) + jnp.log(jnp.where(empty, 1.0, l.astype(f32)))
   if unit != 1.0:
@@ -457,14 +454,16 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             bias_rows, has_vbs, prefetch_block_scales,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
-            exact_exponent, return_lse, fresh_accumulators, round_p_by_add,
-            early_block_loads,
-            int_scores_by_add):
+            exact_exponent, runtime_exponent, return_lse, fresh_accumulators,
+            round_p_by_add, early_block_loads, int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (2 block_q), 10]``, one row per query tile, read by every head's CTA
   (:func:`tile_table`); key_range_ref int32 ``[B, 2, T_pad]``, the first and
-  last key each row sees (:func:`common.row_key_ranges`); optional segment
+  last key each row sees (:func:`common.row_key_ranges`); with
+  ``runtime_exponent`` int32 ``[1]``, nonzero for the exact exponent (both
+  forms are compiled and the consumers branch on it; else the static
+  ``exact_exponent`` picks one); optional segment
   ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
   with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
@@ -480,6 +479,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   this is ``fl16(beta / (1 - beta))``; None otherwise."""
   refs = list(refs)
   key_range_ref = refs.pop(0)
+  exact_ref = refs.pop(0) if runtime_exponent else None
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None,) * 2)
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
@@ -601,7 +601,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         return (at(ks_ref) if k_scale_per_block else zero,
                 at(vbs_ref) if has_vbs else zero)
 
-      def scores(s, j, masked, loads, k_scale=None):
+      def scores(s, j, masked, loads, k_scale, exact_exponent):
         """Block j's scores ``[bq, bk]`` (base 2 where scaled by q_scale),
         the exponent's factor and the visibility mask; frees K's slot.
         ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
@@ -660,7 +660,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                 == lax.broadcast_in_dim(k_seg, (bq, bk), [1]))
         return s, c, visible
 
-      def softmax(s, c, visible, m_i, l_i, shift=None):
+      def softmax(s, c, visible, m_i, l_i, shift, exact_exponent):
         """The online softmax of one block: P (the PV operand's dtype),
         the new row max and sum, the factor ``alpha`` of the old ones, and
         the block's own rows (PASA's for :func:`_pasa_update`; uint8 P's
@@ -768,7 +768,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
         return (acc, *rest)
 
-      def kv_step(j, carry, masked):  # QK, softmax, PV: one block at a time
+      def kv_step(j, carry, masked, exact_exponent):
+        # QK, softmax, PV: one block at a time
         acc, m_i, l_i, pasa_state, ahead = carry
         slot = slot_of(j)
         loads = block_loads(j, masked)
@@ -794,7 +795,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           s = pl.run_scoped(qk_scope, plgpu.ACC((bq, bk), acc_type))
         if pasa_running:   # Sbar': the float32 product's mean, before masks
           s_mean = (s.sum(axis=1) * (1.0 / bk)).astype(stat)
-        s, c, visible = scores(s, j, masked, loads, k_block)
+        s, c, visible = scores(s, j, masked, loads, k_block, exact_exponent)
         shift = None
         if pasa_running:   # PASA steps 3-4 move the online softmax's max
           seen = (None if visible is None else
@@ -807,8 +808,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           # m is in the units of s with the exact exponent, else base 2
           shift = ((dmp_prev, dmp_cur) if exact_exponent
                    else (dmp_prev * c, dmp_cur * c))
-        p_op, (m_new, l_new, alpha, block_rows) = softmax(s, c, visible,
-                                                          m_i, l_i, shift)
+        p_op, (m_new, l_new, alpha, block_rows) = softmax(
+            s, c, visible, m_i, l_i, shift, exact_exponent)
         if fused_pv:   # (else one FMA in add_block)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_arrive(schedule)
@@ -868,13 +869,28 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       def _():
         plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
-      masked_step = functools.partial(kv_step, masked=True)
-      ahead = block_scales(lo) if prefetch_block_scales else ()
-      carry = lax.fori_loop(lo, full_lo, masked_step,
-                            (acc, m_i, l_i, pasa_state, ahead))
-      carry = lax.fori_loop(full_lo, full_hi,
-                            functools.partial(kv_step, masked=False), carry)
-      acc, m_i, l_i, *_ = lax.fori_loop(full_hi, hi, masked_step, carry)
+      def own_blocks(exact_exponent):
+        """The warpgroup's key blocks, masked, unmasked, masked: O, l
+        and the row max in base 2 (for the log-sum-exp)."""
+        step = functools.partial(kv_step, exact_exponent=exact_exponent)
+        masked_step = functools.partial(step, masked=True)
+        ahead = block_scales(lo) if prefetch_block_scales else ()
+        carry = lax.fori_loop(lo, full_lo, masked_step,
+                              (acc, m_i, l_i, pasa_state, ahead))
+        carry = lax.fori_loop(full_lo, full_hi,
+                              functools.partial(step, masked=False), carry)
+        acc_out, m_out, l_out, *_ = lax.fori_loop(full_hi, hi, masked_step,
+                                                  carry)
+        if return_lse and exact_exponent:  # m is in the units of s
+          m_out = (m_out.astype(f32) * exp_factor).astype(m_out.dtype)
+        return acc_out, m_out, l_out
+
+      if runtime_exponent:   # (uniform: every thread reads the same flag)
+        acc, m_i, l_i = lax.cond(exact_ref[0] != 0,
+                                 functools.partial(own_blocks, True),
+                                 functools.partial(own_blocks, False))
+      else:
+        acc, m_i, l_i = own_blocks(exact_exponent)
       lax.fori_loop(hi, tile_hi, drain, None)
       pl.when(wg == 0)(schedule_barrier)
 
@@ -903,8 +919,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                               out_ref.at[batch, pl.ds(q_base, bq), q_head])
       if return_lse:
         lse_smem = lse_smem2.at[wg]
-        lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv, c=exp_factor,
-                                     m_scaled=not exact_exponent)
+        lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
@@ -1055,7 +1070,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     exact_exponent: the exponent as ``(s - m) * c`` (exact for the scores
       near the row max however large they are; one more instruction per
       score) instead of the fused ``s * c - m``; needed where
-      ``|s * c|`` may exceed :data:`FUSED_EXPONENT_LIMIT`.
+      ``|s * c|`` may exceed :data:`FUSED_EXPONENT_LIMIT`.  A bool
+      array (a scalar) picks at run time: the kernel holds both forms and
+      branches on it, so a caller that decides from the data needs no
+      ``lax.cond``, whose predicate the host would wait for.
     v_keys_ordered: the 8-bit V's keys are already in
       :func:`pallas_kernels.quantizers.key_order`
       (the quantizer wrote them so); otherwise they are permuted here when P
@@ -1109,7 +1127,15 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
   args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST),
-          common.row_key_ranges(bounds, t_pad=t_pad), *segments]
+          common.row_key_ranges(bounds, t_pad=t_pad)]
+  runtime_exponent = not isinstance(exact_exponent, (bool, np.bool_))
+  if runtime_exponent:
+    exact_exponent = jnp.asarray(exact_exponent)
+    if exact_exponent.shape or exact_exponent.dtype != jnp.bool_:
+      raise ValueError(f"exact_exponent is a bool or a bool scalar array, "
+                       f"got {exact_exponent.dtype}{exact_exponent.shape}")
+    args.append(exact_exponent.astype(jnp.int32).reshape(1))
+  args += segments
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
     raise ValueError("8-bit QK takes k_scale or k_block_scale (one of them)")
@@ -1183,8 +1209,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       p_in_smem=p_in_smem,
       fused_pv=(pv == "fp16" and not p_in_smem
                 and not (pasa and not pasa_running)),
-      out_dtype=out_dtype, exact_exponent=exact_exponent,
-      return_lse=return_lse,
+      out_dtype=out_dtype,
+      exact_exponent=None if runtime_exponent else bool(exact_exponent),
+      runtime_exponent=runtime_exponent, return_lse=return_lse,
       fresh_accumulators=() if p_in_smem else tuple(
           x for x in FRESH_ACCUMULATORS
           if (qk if x == "qk" else pv) != "fp16"),

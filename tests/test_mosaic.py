@@ -770,3 +770,39 @@ def test_mosaic_v_block_scales_spanning_float32(method, opts):
   assert np.isfinite(out).all()
   assert 0 < np.abs(ref).max() < 2.0 ** -36    # block 2's V, as intended
   assert _rel(out, ref) < 1e-2, _rel(out, ref)
+
+
+@pytest.mark.parametrize("method", ["fp8", "sage"])
+def test_mosaic_exponent_flag_runs_each_static_form(method):
+  """``exact_exponent`` as a bool array: the kernel holds both exponents
+  and branches on the flag (the adapters' choice by the score bound, with
+  no ``lax.cond``); each value gives its static form's output and
+  log-sum-exp bit for bit, causal, with the key length inside the last
+  block.  fp8 takes a row factor per key block, sage the smoothing bias."""
+  from jaxattn.backends import mosaic as mosaic_backend
+  from pallas_kernels import mosaic
+  kq, kk, kv = jax.random.split(jax.random.key(8), 3)
+  b, t, s, n, kh, d = 1, 128, 200, 2, 1, 64
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 0.5
+  v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
+  lens = jnp.full((b,), 170, jnp.int32)
+  cfg = api.config_for(method, "mosaic", block_k=128)
+  ops = jax.jit(functools.partial(mosaic_backend._prepare, method,
+                                  scale=d ** -0.5, config=cfg))(q, k, v, lens)
+  kernel = lambda ops, lens, exact: mosaic.mosaic_attention(
+      ops.q, ops.k, ops.v, lens, qk=ops.qk, pv=ops.pv, is_causal=True,
+      params=mosaic.MosaicParams(block_k=cfg.block_k), q_scale=ops.q_scale,
+      **mosaic_backend._k_scales(ops, cfg.block_k),
+      q_block_bias=ops.q_block_bias, bias_rows=ops.bias_rows,
+      v_block_scale=ops.v_block_scale, out_scale=ops.out_scale,
+      out_shift=ops.out_shift, v_keys_ordered=ops.v_keys_ordered,
+      exact_exponent=exact, return_lse=True)
+  static, by_flag = jax.jit(kernel, static_argnums=2), jax.jit(kernel)
+  for exact in (False, True):
+    got, want = by_flag(ops, lens, jnp.asarray(exact)), static(ops, lens,
+                                                               exact)
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+  with pytest.raises(ValueError, match="bool scalar"):
+    by_flag(ops, lens, jnp.asarray([True]))

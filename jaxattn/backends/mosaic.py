@@ -43,6 +43,12 @@ TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
 # their row norms) instead of taking the exact one always.  Off: the read
 # costs more than the exact form (``benchmarks/exponent_switch.py``).
 FP32_SCORE_BOUND = False
+# The fused or exact exponent picked by an XLA ``lax.cond`` on the score
+# bound (two kernels; the host waits for the predicate, 8-10 us with the
+# GPU idle, and under vmap both run) instead of by the kernel itself, which
+# holds both forms and branches on the bound's flag.  Kept for the A/B
+# (``benchmarks/exponent_switch.py``).
+EXPONENT_BY_COND = False
 
 
 def native() -> bool:
@@ -126,12 +132,15 @@ def _exact_when_needed(kernel, score_bound):
   """``kernel(exact_exponent=...)`` with the fused exponent where every
   score is within :data:`pallas_kernels.mosaic.FUSED_EXPONENT_LIMIT` (a
   bound on ``|s * c|`` in base 2, from the inputs' largest row norms
-  (``fp16_fp32``, PASA) or the quantized operands' scales), else the exact
-  one: huge scores never overflow P, and ordinary ones keep the faster
-  kernel."""
-  return lax.cond(score_bound <= mosaic.FUSED_EXPONENT_LIMIT,
-                  functools.partial(kernel, exact_exponent=False),
-                  functools.partial(kernel, exact_exponent=True))
+  (``fp16_fp32``, PASA) or the quantized operands' scales), else (a NaN
+  bound too) the exact one: huge scores never overflow P, and ordinary
+  ones keep the faster form.  The kernel branches on the flag itself
+  (:data:`EXPONENT_BY_COND`)."""
+  fused = score_bound <= mosaic.FUSED_EXPONENT_LIMIT
+  if EXPONENT_BY_COND:
+    return lax.cond(fused, functools.partial(kernel, exact_exponent=False),
+                    functools.partial(kernel, exact_exponent=True))
+  return kernel(exact_exponent=jnp.logical_not(fused))
 
 
 def _score_bound(q_norm, k_norm, exp_factor):
