@@ -4,6 +4,7 @@ bfloat16:
 
   python benchmarks/exponent_switch.py OUT.json [--causal]
       --part methods|fp32|flag|stack [--shape B,S,N,D] [--layers L]
+      [--window W]
 
 ``kernel``: the kernel holds both exponents and branches on the flag of a
 bound on the scores (``jaxattn.backends.mosaic._exact_when_needed``, the
@@ -18,7 +19,10 @@ since ``b885042``), and ``cond`` reads Q and K for fp32's bound
 quantized methods; ``--part stack`` times ``--layers`` calls in a row in
 one jitted function (each output the next call's queries, as layers
 chain), where a host wait per call also holds back the launches behind
-it, against as many cuDNN calls.  Packed rows (8 documents of random
+it, against as many cuDNN calls; with ``--window W`` the calls take
+``local_window_size=W``, and ``cond`` also finds the rows a NaN/Inf
+reaches under a second ``lax.cond`` (``nonfinite.REACHED_BY_RANGES``
+off), as before 2026-11-27.  Packed rows (8 documents of random
 lengths per row) run in the causal calls of ``methods`` and ``flag``.
 Each call is compiled ahead of time, then timed in three rounds of
 alternating order; the record's ``checks`` say whether the first two
@@ -31,7 +35,7 @@ import functools
 import jax
 import numpy as np
 
-from jaxattn import api
+from jaxattn import api, nonfinite
 from jaxattn.backends import mosaic as mosaic_backend
 from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
                             benchmark_args,
@@ -57,9 +61,10 @@ QUANTIZED = ("int8", "sage", "fp8", "fmha_int8")
 def _defaults():
   for a, x in zip(ATTRS, SETTINGS["flag"][0][1]):
     setattr(mosaic_backend, a, x)
+  nonfinite.REACHED_BY_RANGES = True
 
 
-def stack_calls(settings, methods, q, k, v, *, causal, layers):
+def stack_calls(settings, methods, q, k, v, *, causal, layers, window=None):
   """``"method/setting" -> (compiled, (q, k, v))``: ``layers`` API calls in
   a row, each output the next one's queries, and the cuDNN bfloat16 stack
   as the reference; checks as :func:`api_calls_per_setting`'s."""
@@ -76,10 +81,12 @@ def stack_calls(settings, methods, q, k, v, *, causal, layers):
     for setting, value in settings:
       for a, x in zip(ATTRS, value):
         setattr(mosaic_backend, a, x)
+      nonfinite.REACHED_BY_RANGES = setting != "cond"
       jax.clear_caches()
       fn = stack(functools.partial(api.dot_product_attention,
                                    is_causal=causal, method=method,
-                                   implementation="mosaic"))
+                                   implementation="mosaic",
+                                   local_window_size=window))
       compiled = fn.lower(q, k, v).compile()
       calls[f"{method}/{setting}"] = (compiled, (q, k, v))
       outs.append([np.asarray(compiled(*x), np.float32)
@@ -92,7 +99,7 @@ def stack_calls(settings, methods, q, k, v, *, causal, layers):
   ref_args = tuple(x.astype(jax.numpy.bfloat16) for x in (q, k, v))
   reference = (stack(functools.partial(
       jax.nn.dot_product_attention, is_causal=causal,
-      implementation=(
+      local_window_size=window, implementation=(
           "cudnn" if jax.default_backend() == "gpu" else "xla"))), ref_args)
   return calls, checks, reference
 
@@ -102,13 +109,14 @@ def main(a):
   if a.part == "stack":
     calls, checks, reference = stack_calls(
         SETTINGS["stack"], QUANTIZED, q, k, v, causal=a.causal,
-        layers=a.layers)
+        layers=a.layers, window=a.window)
     rows = alternating_rounds(calls, reference=reference,
                               log=lambda m: print(m, flush=True))
     b, s, h, d = a.shape
     write_record(a.out, causal=a.causal, shape=f"BTNH {b}x{s}x{h}x{d}",
-                 layers=a.layers, reference=f"cuDNN bf16 x {a.layers}",
-                 rows=rows, checks=checks)
+                 layers=a.layers, window=a.window,
+                 reference=f"cuDNN bf16 x {a.layers}", rows=rows,
+                 checks=checks)
     return
   inputs = [(q, k, v), nonfinite_inputs(q, k, v)]
   segs = packed_segments(np.random.default_rng(0), a.shape[0], a.shape[1], 8)
@@ -129,4 +137,5 @@ def main(a):
 
 if __name__ == "__main__":
   main(benchmark_args(causal=True, parts=tuple(SETTINGS), extra=(
-      ("--layers", dict(type=int, default=8)),)))
+      ("--layers", dict(type=int, default=8)),
+      ("--window", dict(type=int, default=None)))))

@@ -21,6 +21,12 @@ from jax import lax
 from jaxattn import base
 from pallas_kernels import common
 
+# The rows a NaN/Inf reaches under an index mask without segment ids by a
+# prefix count over each row's key range, instead of the dense mask under a
+# ``lax.cond`` (which the host waits for on every call).  Kept for the A/B
+# (``benchmarks/exponent_switch.py --part stack --window``).
+REACHED_BY_RANGES = True
+
 
 def finite(x):
   """``x`` with NaN/Inf elements set to 0."""
@@ -82,10 +88,16 @@ def rows_reached(bad_q, bad_kv, mask, kv_lens, *, is_causal, q_shape,
 
 def _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask, *,
                           is_causal, q_shape):
-  """:func:`rows_reached` with an index mask, as its dense mask: built only
-  when some input is not finite (a ``lax.cond``), so that finite inputs pay
-  one reduction."""
+  """:func:`rows_reached` with an index mask.  Without segment ids or a
+  dense mask each row sees one range of keys
+  (:func:`common.row_key_ranges`), so a prefix count of the non-finite
+  keys answers it; else the dense mask, built only when some input is not
+  finite (a ``lax.cond``, whose predicate the host waits for), so that
+  finite inputs pay one reduction."""
   b, t, n = q_shape[:3]
+  if REACHED_BY_RANGES and mask is None and not index_mask.has_segments:
+    return _rows_reached_in_ranges(bad_q, bad_kv, kv_lens, index_mask,
+                                   is_causal=is_causal, q_shape=q_shape)
   any_bad = bad_kv.any() if bad_q is None else bad_kv.any() | bad_q.any()
 
   def reached():
@@ -97,6 +109,29 @@ def _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask, *,
                         kv_lens, is_causal=False, q_shape=q_shape)
 
   return lax.cond(any_bad, reached, lambda: jnp.zeros((b, t, n), bool))
+
+
+def _rows_reached_in_ranges(bad_q, bad_kv, kv_lens, index_mask, *,
+                            is_causal, q_shape):
+  """:func:`rows_reached` where row ``i`` sees the keys ``first_i ..
+  last_i``: reached where that range holds a non-finite key (the count
+  of them before ``last_i + 1`` less that before ``first_i``), or the
+  row's own query is non-finite and the range is not empty."""
+  b, t, n = q_shape[:3]
+  s, nk = bad_kv.shape[1], bad_kv.shape[2]
+  bounds = common.row_bounds(kv_lens, index_mask, t=t, is_causal=is_causal)
+  first, last = (x[..., None] for x in jnp.moveaxis(
+      common.row_key_ranges(bounds, t_pad=t), 1, 0))          # [B, T, 1]
+  sees_any = last >= first
+  before = jnp.pad(jnp.cumsum(bad_kv.astype(jnp.int32), axis=1),
+                   ((0, 0), (1, 0), (0, 0)))                   # [B, S + 1, K]
+  count = lambda at: jnp.take_along_axis(
+      before, jnp.broadcast_to(jnp.clip(at, 0, s), (b, t, nk)), axis=1)
+  reached = sees_any & (count(last + 1) > count(first))         # [B, T, K]
+  reached = jnp.repeat(reached, n // nk, axis=2)
+  if bad_q is None:
+    return reached
+  return reached | (bad_q & sees_any)
 
 
 def poison(out, rows):

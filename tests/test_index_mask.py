@@ -387,3 +387,40 @@ def test_int8_v_scale_per_segment(implementation):
     err_packed = metrics.relative_rmse(packed[:, d], truth)
     err_alone = metrics.relative_rmse(alone, truth)
     assert err_packed < 1.1 * err_alone + 1e-4, (d, err_packed, err_alone)
+
+
+@pytest.mark.parametrize("is_causal,window,alignment", [
+    (True, None, "bottom_right"), (False, (3, 0), "top_left"),
+    (True, (1, 1), "bottom_right"), (False, (0, 0), "top_left"),
+    (False, (50, 70), "bottom_right")])
+def test_nonfinite_rows_from_key_ranges_equal_the_dense_rule(
+    is_causal, window, alignment):
+  """Without segment ids the rows a NaN/Inf input reaches come from each
+  row's key range by a prefix count of the bad keys (no ``lax.cond``):
+  the same rows as the dense definition, with GQA, query and key lengths,
+  bottom-right offsets, a window of 1 and a row that sees nothing."""
+  from jaxattn import nonfinite
+  t, s, n, nk = 40, 64, 4, 2
+  rng = np.random.default_rng(3)
+  q_lens, kv_lens = np.asarray([40, 29]), np.asarray([64, 37])
+  bad_q = jnp.asarray(rng.random((B, t, n)) < 0.05)
+  bad_kv = jnp.asarray(rng.random((B, s, nk)) < 0.04)
+  offsets = (kv_lens - q_lens) if alignment == "bottom_right" else 0 * q_lens
+  im = common.IndexMask(q_lens=jnp.asarray(q_lens, jnp.int32),
+                        offsets=jnp.asarray(offsets, jnp.int32),
+                        window=window)
+  vis = dense_mask(t, s, q_lens=q_lens, kv_lens=kv_lens, is_causal=is_causal,
+                   window=window, alignment=alignment)[:, 0]   # [B, T, S]
+  sees = vis.any(-1)[..., None]
+  bad_key = np.repeat(np.asarray(bad_kv), n // nk, axis=2)     # [B, S, N]
+  want = ((vis[..., None] & bad_key[:, None]).any(2)
+          | (np.asarray(bad_q) & sees))
+  assert want.any() and not want.all()
+  for q_flags in (bad_q, None):
+    got = jax.jit(functools.partial(
+        nonfinite.rows_reached, is_causal=is_causal, q_shape=(B, t, n, D)))(
+            q_flags, bad_kv, None, jnp.asarray(kv_lens, jnp.int32),
+            index_mask=im)
+    expect = want if q_flags is not None else (
+        vis[..., None] & bad_key[:, None]).any(2)
+    np.testing.assert_array_equal(np.asarray(got), expect)
