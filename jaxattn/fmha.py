@@ -153,22 +153,29 @@ def fmha_quantize(q, k, v, kv_lens=None, *, config: FmhaConfig) -> dict:
   return out
 
 
-def fmha_quantize_output(o, *, config: FmhaConfig):
+def fmha_quantize_output(o, *, config: FmhaConfig, row_amax=None):
   """``(O_i8, o_scale)``: ``a_o`` static or ``max|O|`` of the whole float
-  output, ``o_scale = a_o * fl(1/127)`` (float32 scalar)."""
+  output, ``o_scale = a_o * fl(1/127)`` (float32 scalar).  ``row_amax``:
+  ``max|O|`` per row where the kernel gave it (then O is not read for
+  it)."""
   o = o.astype(jnp.float32)
   static = config.amax_dict
-  a_o = (jnp.asarray(static["o"], jnp.float32) if "o" in static
-         else jnp.abs(o).max())
+  if "o" in static:
+    a_o = jnp.asarray(static["o"], jnp.float32)
+  elif row_amax is not None:
+    a_o = row_amax.max()
+  else:
+    a_o = jnp.abs(o).max()
   sc = a_o * RCP_QMAX
   return quant.quantize_int(o, quant.reciprocal(sc)), sc
 
 
-def method_output(o, *, config: FmhaConfig):
+def method_output(o, *, config: FmhaConfig, row_amax=None):
   """The method's result from the float output ``o`` before output
   quantization: ``(O_i8, o_scale)`` with ``return_int8``, else ``O_i8 *
-  o_scale`` in float32 (what every backend returns)."""
-  o_i8, o_scale = fmha_quantize_output(o, config=config)
+  o_scale`` in float32 (what every backend returns); ``row_amax`` as
+  :func:`fmha_quantize_output`'s."""
+  o_i8, o_scale = fmha_quantize_output(o, config=config, row_amax=row_amax)
   if config.return_int8:
     return o_i8, o_scale
   return o_i8.astype(jnp.float32) * o_scale

@@ -454,7 +454,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             bias_rows, has_vbs, prefetch_block_scales,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
-            exact_exponent, runtime_exponent, return_lse, fresh_accumulators,
+            exact_exponent, runtime_exponent, return_lse, return_row_amax,
+            fresh_accumulators,
             round_p_by_add, early_block_loads, int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
@@ -473,7 +474,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   sums ``[B, K, nb, D]`` int32 (``pv="uint8"``); optional out_scale,
   out_shift ``[B, K, D]`` float32; optional NaN rows ``[B, N, T]`` float32
   (1: the row is NaN); out ``[B, T, N, D]``;
-  with ``return_lse`` lse ``[B, N, T]`` float32.
+  with ``return_lse`` lse ``[B, N, T]`` float32; with ``return_row_amax``
+  each output row's ``max |O|`` ``[B, N, T]`` float32.
   ``c_scale``: the factor from the scores to the exponent's base 2 where
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
   this is ``fl16(beta / (1 - beta))``; None otherwise."""
@@ -489,7 +491,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   colsum_ref = refs.pop(0) if has_colsum else None
   osc_ref, osh_ref = (refs.pop(0), refs.pop(0)) if has_epilogue else (None,) * 2
   nan_rows_ref = refs.pop(0) if has_nan_rows else None
-  out_ref, lse_ref = refs if return_lse else (*refs, None)
+  out_ref = refs.pop(0)
+  lse_ref = refs.pop(0) if return_lse else None
+  amax_ref = refs.pop(0) if return_row_amax else None
   bq, bk = block_q, block_k
   head_dim = q_ref.shape[-1]
   eight_bit_pv = pv in ("fp8", "int8", "uint8")
@@ -499,7 +503,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
 
   def body(scratch, barriers):
     (q_smem2, o_smem2, k_smem, v_smem, p_smem2, ks_smem, qb_smem,
-     lse_smem2) = scratch
+     lse_smem2, amax_smem2) = scratch
     if o_smem2 is None:  # O is written over Q (read by no wgmma by then)
       o_smem2 = q_smem2
     (k_bars, v_bars, q_bars, k_consumed, v_consumed, schedule, ks_bars,
@@ -913,7 +917,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             layout=row_layout, optimized=False)
         out = jnp.where(lax.broadcast_in_dim(nan_row > 0.0, out.shape, [0]),
                         jnp.nan, out)
-      o_smem[...] = out.astype(out_dtype)
+      out = out.astype(out_dtype)
+      o_smem[...] = out
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(o_smem,
                               out_ref.at[batch, pl.ds(q_base, bq), q_head])
@@ -923,6 +928,13 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
+      if return_row_amax:   # (the 8-bit FMHA's output scale, without a
+        # pass over O)
+        amax_smem = amax_smem2.at[wg]
+        amax_smem[...] = jnp.abs(out.astype(f32)).max(axis=1)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(amax_smem,
+                                amax_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 2)
@@ -977,6 +989,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
        if has_qk_scales and not k_scale_per_block else None),
       plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
       plgpu.SMEM((2, bq), jnp.float32) if return_lse else None,
+      plgpu.SMEM((2, bq), jnp.float32) if return_row_amax else None,
   ]
   barriers = (
       plgpu.Barrier(num_barriers=stages),
@@ -1034,7 +1047,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      pasa_shifted=None, pasa_running=False,
                      f16_scores=False, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
-                     return_lse=False, index_mask=None, nan_rows=None):
+                     return_lse=False, return_row_amax=False,
+                     index_mask=None, nan_rows=None):
   """Runs the kernel on BTNH inputs.
 
   Args:
@@ -1081,6 +1095,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     return_lse: also return the natural-log log-sum-exp of each row's
       scaled scores as the online softmax formed them (float32 ``[B, N,
       T]``, ``-inf`` for a row that sees no key; not with PASA).
+    return_row_amax: also return each output row's largest magnitude
+      (float32 ``[B, N, T]``, of the values written), so that a
+      per-tensor output scale needs no pass over O.
     index_mask: query lengths, alignment, local window and segment ids
       (:class:`common.IndexMask`), or None.  Each warpgroup skips the key
       blocks none of its rows sees and masks only the blocks some row sees
@@ -1088,8 +1105,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     nan_rows: bool ``[B, T, N]`` or None: the output rows written as NaN
       (those a NaN/Inf input reaches: :mod:`jaxattn.nonfinite`), in the
       epilogue instead of a pass over the output afterwards.
-  Returns: ``[B, T, N, D]`` in ``out_dtype``, and with ``return_lse`` the
-  log-sum-exp.
+  Returns: ``[B, T, N, D]`` in ``out_dtype``, or a tuple of it and, in
+  this order, the log-sum-exp and the row amax, where asked for.
 
   A head dim below 64, or between 64 and 128, is zero-padded to the next
   of :data:`HEAD_DIMS`: zero channels add nothing to ``Q K^T`` and give
@@ -1212,24 +1229,26 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       out_dtype=out_dtype,
       exact_exponent=None if runtime_exponent else bool(exact_exponent),
       runtime_exponent=runtime_exponent, return_lse=return_lse,
+      return_row_amax=return_row_amax,
       fresh_accumulators=() if p_in_smem else tuple(
           x for x in FRESH_ACCUMULATORS
           if (qk if x == "qk" else pv) != "fp16"),
       round_p_by_add=ROUND_P_BY_ADD and interp is None,
       int_scores_by_add=INT_SCORES_BY_ADD,
       early_block_loads=EARLY_BLOCK_LOADS)
-  out_type = jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype)
-  if return_lse:
-    out_type = (out_type, jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32))
-  out = plgpu.kernel(
+  row_outputs = int(return_lse) + int(return_row_amax)
+  out_type = (jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype),
+              *[jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)]
+              * row_outputs)
+  outs = plgpu.kernel(
       kernel,
-      out_type=out_type,
+      out_type=out_type if row_outputs else out_type[0],
       **_grid(n, b * t_pad // (2 * bq)),
       num_threads=3, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,
   )(*args)
-  if return_lse:
-    return out[0][:, :t, :, :d], out[1][:, :, :t]
-  return out[:, :t, :, :d]
+  if not row_outputs:
+    return outs[:, :t, :, :d]
+  return (outs[0][:, :t, :, :d], *[x[:, :, :t] for x in outs[1:]])
 

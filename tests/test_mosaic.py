@@ -806,3 +806,30 @@ def test_mosaic_exponent_flag_runs_each_static_form(method):
       np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
   with pytest.raises(ValueError, match="bool scalar"):
     by_flag(ops, lens, jnp.asarray([True]))
+
+
+@pytest.mark.parametrize("out_dtype", [jnp.float32, jnp.float16])
+def test_mosaic_row_amax_is_the_written_rows_max(out_dtype):
+  """``return_row_amax`` (the 8-bit FMHA's output scale without a pass over
+  O): each row's ``max |O|`` of the values written, alongside the
+  log-sum-exp, which it leaves as it is; causal, a query length that is
+  not a multiple of the tile, a batch row whose keys are all past its
+  length (rows of zeros)."""
+  from pallas_kernels import mosaic
+  b, t, s, n, d = 2, 150, 200, 2, 64
+  ks = jax.random.split(jax.random.key(9), 3)
+  q, k, v = (jax.random.normal(x, (b, sz, n, d), jnp.float16)
+             for x, sz in zip(ks, (t, s, s)))
+  lens = jnp.asarray([200, 0], jnp.int32)
+  run = jax.jit(functools.partial(
+      mosaic.mosaic_attention, qk="fp16", pv="fp16", is_causal=True,
+      scale=d ** -0.5, out_dtype=out_dtype, exact_exponent=True,
+      return_lse=True), static_argnames="return_row_amax")
+  out, lse, amax = run(q, k, v, lens, return_row_amax=True)
+  out_only, lse_only = run(q, k, v, lens, return_row_amax=False)
+  assert amax.shape == (b, n, t) and amax.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(out_only))
+  np.testing.assert_array_equal(np.asarray(lse), np.asarray(lse_only))
+  want = np.abs(np.asarray(out, np.float32)).max(-1).transpose(0, 2, 1)
+  np.testing.assert_array_equal(np.asarray(amax), want)
+  assert want[0].min() > 0 and not want[1].any()

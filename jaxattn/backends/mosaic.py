@@ -49,6 +49,10 @@ FP32_SCORE_BOUND = False
 # holds both forms and branches on the bound's flag.  Kept for the A/B
 # (``benchmarks/exponent_switch.py``).
 EXPONENT_BY_COND = False
+# The 8-bit FMHA's output amax from the kernel (each row's max |O|, written
+# in its epilogue) instead of an XLA pass over the float32 O.  Kept for the
+# A/B (``benchmarks/fmha_row_amax.py``).
+FMHA_ROW_AMAX = True
 
 
 def native() -> bool:
@@ -282,15 +286,18 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   out_scale = jnp.broadcast_to(v_scale / 255.0, (b, nk, d))
   # |S_i32| <= 127^2 D, times the one factor of the scores
   bound = jnp.abs(ops.q_scale[0, 0, 0]) * (127.0 ** 2 * q.shape[-1])
-  o = _exact_when_needed(functools.partial(
+  out = _exact_when_needed(functools.partial(
       mosaic.mosaic_attention, ops.q, ops.k, ops.v, kv_lens, qk="int8",
       pv="uint8", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k),
       q_scale=ops.q_scale, **_k_scales(ops, config.block_k),
       v_colsum=ops.v_colsum, v_keys_ordered=ops.v_keys_ordered,
       out_scale=out_scale, out_shift=jnp.zeros_like(out_scale),
-      out_dtype=jnp.float32, index_mask=index_mask), bound)
-  return nonfinite.poison(fmha.method_output(o, config=config),
+      out_dtype=jnp.float32, index_mask=index_mask,
+      return_row_amax=FMHA_ROW_AMAX), bound)
+  o, row_amax = out if FMHA_ROW_AMAX else (out, None)
+  return nonfinite.poison(fmha.method_output(o, config=config,
+                                             row_amax=row_amax),
                           nonfinite.rows_reached(
                               ops.q_nonfinite, ops.kv_nonfinite, None,
                               kv_lens, is_causal=is_causal, q_shape=q.shape,
