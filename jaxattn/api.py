@@ -428,7 +428,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                    kv_segment_ids=kv_segment_ids,
                    causal_alignment=causal_alignment))
   config = backend_config(method, impl, config, options,
-                          skips_key_blocks(index_mask))
+                          skips_key_blocks(index_mask), bool(is_causal))
   scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
   out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
                    method=method, implementation=impl, scale=scale,
@@ -443,19 +443,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
 
 
 def backend_config(method: str, implementation: str, config, options,
-                   masked: bool = False):
+                   masked: bool = False, is_causal: bool = False):
   """``config`` with the backend's preferred values of the options the call
   (and the method's preset) left unset (:attr:`backends.Adapter.
   defaults`: e.g. sage's ``block_k=128`` on the Mosaic kernel).  ``masked``:
   the call has segment ids or a local window (:func:`skips_key_blocks`),
-  which some defaults depend on."""
+  and ``is_causal``, which some defaults depend on."""
   name = implementation_name(implementation)
   if name is None:
     raise ValueError("backend_config needs a backend name (see "
                      "resolve_implementation), got None")
   adapter = BACKENDS[name].ADAPTERS.get(method)
-  return config if adapter is None else with_defaults(adapter, config,
-                                                      options, masked)
+  return config if adapter is None else with_defaults(
+      adapter, config, options, masked, is_causal)
 
 
 def skips_key_blocks(index_mask) -> bool:
@@ -467,21 +467,23 @@ def skips_key_blocks(index_mask) -> bool:
 
 
 def config_for(method: str, implementation: str, masked: bool = False,
-               **options):
+               is_causal: bool = False, **options):
   """The config ``implementation`` runs ``method`` with for ``options``
   (:func:`backend_config` of the options' config)."""
   config = methods.get(method).config_cls.from_options(**options)
-  return backend_config(method, implementation, config, options, masked)
+  return backend_config(method, implementation, config, options, masked,
+                        is_causal)
 
 
 def backend_options(method: str, implementation: str, masked: bool = False,
-                    **options) -> dict:
+                    is_causal: bool = False, **options) -> dict:
   """``options`` plus the values ``implementation`` fills into the ones
   left unset (:func:`backend_config`; ``masked``: for a call with segment
-  ids or a local window): pass them to another implementation (e.g.
-  ``"reference"``) to reproduce this one's numerics."""
+  ids or a local window; ``is_causal``: for a causal call): pass them to
+  another implementation (e.g. ``"reference"``) to reproduce this one's
+  numerics."""
   plain = methods.get(method).config_cls.from_options(**options)
-  config = config_for(method, implementation, masked, **options)
+  config = config_for(method, implementation, masked, is_causal, **options)
   return {**options, **{f.name: getattr(config, f.name)
                         for f in dataclasses.fields(config)
                         if getattr(config, f.name) != getattr(plain, f.name)}}
@@ -583,7 +585,8 @@ def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
   q, k, v, _, _, _, _, impl = _normalise(
       query, key, value, None, None, None, config=config, method=method,
       implementation=implementation, is_causal=is_causal)
-  config = backend_config(method, impl, config, options)
+  config = backend_config(method, impl, config, options,
+                          is_causal=bool(is_causal))
   b, c = q.shape[0], k.shape[1]
   if key_value_seq_lengths is None:
     kv_lens = jnp.full((b,), n * c, jnp.int32)

@@ -250,7 +250,7 @@ def kernel_alone(causal, d, variants=KERNEL_VARIANTS):
   for name, method, opts in variants:
     for suffix, impl in _backends(method):
       adapter = api.BACKENDS[impl].ADAPTERS[method]
-      cfg = api.config_for(method, impl, **opts)
+      cfg = api.config_for(method, impl, is_causal=causal, **opts)
 
       def setup(q, k, v, cfg=cfg, adapter=adapter):
         lens = jnp.full((q.shape[0],), k.shape[1], jnp.int32)

@@ -67,7 +67,10 @@ class Int8Config(base.MethodConfig):
 
   Attributes:
     block_k: keys per block of the online softmax (a power of two); also the
-      group size of the per-block V scales.
+      group size of the per-block V scales.  Left unset, the Mosaic kernel
+      runs full INT8 with one V scale per tensor in 256-key blocks on
+      calls that are not causal and have no segment ids or window
+      (``api.backend_options`` says which).
     v_granularity: ``"tensor"`` (one V scale per head, the paper) or
       ``"block"`` (one per key block).
     pv_dtype: ``"int8"`` (full INT8: int8 P and V) or ``"fp16"`` (half-INT8:

@@ -136,7 +136,7 @@ def check(c, strict=True):
   if backend != "reference" and finite:
     ref = np.asarray(jaxattn.dot_product_attention(
         q, k, v, method=method, implementation="reference", **kw,
-        **api.backend_options(method, backend)))
+        **api.backend_options(method, backend, is_causal=c["causal"])))
     if np.abs(ref).max() > 0:
       err = metrics.relative_rmse(out, ref)
       errs["kernel"] = err

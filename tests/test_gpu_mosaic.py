@@ -63,7 +63,8 @@ def test_mosaic_matches_reference_and_triton(method, opts, tol, case,
   # the options the Mosaic backend fills in (sage: 128-key blocks), so
   # that the reference and Triton compute the same numerics
   kw = dict(method=method, is_causal=causal, key_value_seq_lengths=lens,
-            **api.backend_options(method, "mosaic", **opts))
+            **api.backend_options(method, "mosaic", is_causal=causal,
+                                  **opts))
   poison_allocator((b, t, n, d))
   out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)
   ref = jaxattn.dot_product_attention(q, k, v, implementation="reference",

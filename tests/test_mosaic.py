@@ -75,7 +75,7 @@ def test_mosaic_interpreted_matches_reference(method, opts):
   # the options the Mosaic backend filled in (sage: 128-key blocks)
   ref = jaxattn.dot_product_attention(
       q, k, v, implementation="reference", **kw,
-      **api.backend_options(method, "mosaic", **opts))
+      **api.backend_options(method, "mosaic", is_causal=causal, **opts))
   assert out.shape == ref.shape and out.dtype == ref.dtype
   assert bool(jnp.isfinite(out).all())
   eight_bit_p = (method == "fp8" or (method == "int8"
@@ -135,6 +135,25 @@ def test_mosaic_fp8_key_block_follows_the_call():
 
 
 _Q = jax.random.normal(jax.random.key(3), (1, 300, 2, 64), jnp.float16)
+
+
+def test_mosaic_int8_key_block_follows_the_call():
+  """Full INT8 (int8 P and V, one V scale per tensor) runs 256-key blocks
+  on calls that skip no key block, 128 where causality, segment ids or a
+  window do: each call is the kernel at that block exactly."""
+  assert api.config_for("int8", "mosaic").block_k == 256
+  for kw in (dict(is_causal=True), dict(masked=True), dict(pv_dtype="fp16"),
+             dict(v_granularity="block"), dict(block_k=64)):
+    assert api.config_for("int8", "mosaic", **kw).block_k == kw.get(
+        "block_k", 128), kw
+  assert api.config_for("int8", "reference").block_k == 128
+  q = _Q[:, :300]
+  for is_causal, block_k in ((False, 256), (True, 128)):
+    call = functools.partial(jaxattn.dot_product_attention, q, q, q,
+                             method="int8", is_causal=is_causal,
+                             implementation="mosaic")
+    np.testing.assert_array_equal(np.asarray(call()),
+                                  np.asarray(call(block_k=block_k)))
 
 
 @pytest.mark.slow
@@ -206,7 +225,7 @@ def test_mosaic_pads_head_dims_to_its_tiles(method, opts, d):
   k = jax.random.normal(kk, (1, 200, 1, d), jnp.float16) + 0.5
   v = jax.random.normal(kv, (1, 200, 1, d), jnp.float16)
   kw = dict(method=method, is_causal=True, key_value_seq_lengths=[170],
-            **api.backend_options(method, "mosaic", **opts))
+            **api.backend_options(method, "mosaic", is_causal=True, **opts))
   assert api.resolve_implementation(q, k, v, implementation="mosaic",
                                     **kw) == "mosaic"
   out = jaxattn.dot_product_attention(q, k, v, implementation="mosaic", **kw)

@@ -80,9 +80,9 @@ class Adapter:
   ``defaults``: ``(option, value)`` pairs the backend runs the method
   with where neither the call nor the method's preset sets the option
   (:meth:`jaxattn.base.MethodConfig.fixed_fields`), e.g. the key block of
-  its tiles; or a function ``(config, masked) -> pairs`` where they
-  depend on the config or on whether the call skips key blocks by an index
-  mask (``masked``: segment ids or a local window).  The support check
+  its tiles; or a function ``(config, masked, is_causal) -> pairs`` where
+  they depend on the config, on whether the call skips key blocks by an
+  index mask (``masked``: segment ids or a local window) or on causality.  The support check
   runs on the call's config before they are filled in, so a default must
   be a value the check accepts.
 
@@ -109,13 +109,14 @@ class Adapter:
   defaults: tuple = ()
 
 
-def with_defaults(adapter: Adapter, config, options, masked: bool = False):
+def with_defaults(adapter: Adapter, config, options, masked: bool = False,
+                  is_causal: bool = False):
   """``config`` with ``adapter.defaults`` in the fields ``options`` (the
   call's, preset included) leave unset; ``masked``: the call has segment
-  ids or a local window."""
+  ids or a local window; ``is_causal``: the call's causality."""
   fixed = type(config).fixed_fields(options)
-  pairs = (adapter.defaults(config, masked) if callable(adapter.defaults)
-           else adapter.defaults)
+  pairs = (adapter.defaults(config, masked, is_causal)
+           if callable(adapter.defaults) else adapter.defaults)
   changes = {k: v for k, v in pairs if k not in fixed}
   return dataclasses.replace(config, **changes) if changes else config
 
