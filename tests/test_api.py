@@ -458,9 +458,14 @@ def test_backend_defaults_fill_only_unset_options():
     assert block_k("pallas") == 64
   with pytest.raises(ValueError, match="backend name"):
     block_k(None)
-  # methods without defaults keep their config object
+  # methods without defaults keep their config object, and so do calls
+  # where a method's defaults change nothing (full INT8's 256-key blocks
+  # are for calls that are not causal)
+  cfg = methods.get("fmha_int8").config_cls()
+  assert api.backend_config("fmha_int8", "mosaic", cfg, {}) is cfg
   cfg = methods.get("int8").config_cls()
-  assert api.backend_config("int8", "mosaic", cfg, {}) is cfg
+  assert api.backend_config("int8", "mosaic", cfg, {}, is_causal=True) is cfg
+  assert api.backend_config("int8", "mosaic", cfg, {}).block_k == 256
 
 
 def test_pallas_is_the_deprecated_name_of_triton():
