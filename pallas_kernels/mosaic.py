@@ -874,8 +874,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.barrier_wait(k_bars.at[slot_of(lo)])
 
       def own_blocks(exact_exponent):
-        """The warpgroup's key blocks, masked, unmasked, masked: O, l
-        and the row max in base 2 (for the log-sum-exp)."""
+        """The warpgroup's key blocks, masked, unmasked, masked: O, the
+        row max (in base 2 where the log-sum-exp needs it) and l."""
         step = functools.partial(kv_step, exact_exponent=exact_exponent)
         masked_step = functools.partial(step, masked=True)
         ahead = block_scales(lo) if prefetch_block_scales else ()
