@@ -82,9 +82,9 @@ class Adapter:
   (:meth:`jaxattn.base.MethodConfig.fixed_fields`), e.g. the key block of
   its tiles; or a function ``(config, masked, is_causal) -> pairs`` where
   they depend on the config, on whether the call skips key blocks by an
-  index mask (``masked``: segment ids or a local window) or on causality.  The support check
-  runs on the call's config before they are filled in, so a default must
-  be a value the check accepts.
+  index mask (``masked``: segment ids or a local window) or on causality.
+  The support check runs on the call's config before they are filled in,
+  so a default must be a value the check accepts.
 
   ``run_lse``, where the kernel computes it, is ``run`` that also returns
   the float32 log-sum-exp ``[B, N, T]`` (natural log, ``-inf`` for a row
