@@ -38,8 +38,8 @@ import numpy as np
 from jaxattn import api, nonfinite
 from jaxattn.backends import mosaic as mosaic_backend
 from jaxattn.tuning import (alternating_rounds, api_calls_per_setting,
-                            benchmark_args,
-                            nonfinite_inputs, packed_segments, random_btnh,
+                            benchmark_args, nonfinite_inputs,
+                            packed_segments, random_btnh,
                             record_against_cudnn, write_record)
 
 ATTRS = ("FP32_SCORE_BOUND", "EXPONENT_BY_COND", "_exact_when_needed")
