@@ -33,6 +33,7 @@ one query row and an Inf in one key.
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxattn import api, nonfinite
@@ -65,42 +66,30 @@ def _defaults():
 
 
 def stack_calls(settings, methods, q, k, v, *, causal, layers, window=None):
-  """``"method/setting" -> (compiled, (q, k, v))``: ``layers`` API calls in
-  a row, each output the next one's queries, and the cuDNN bfloat16 stack
-  as the reference; checks as :func:`api_calls_per_setting`'s."""
+  """``"method/setting" -> (compiled, args)``: ``layers`` API calls in a
+  row, each output the next one's queries (checks as
+  :func:`api_calls_per_setting`'s), and the cuDNN bfloat16 stack as the
+  reference."""
   def stack(attend):
-    def run(q, k, v):
+    def run(q, k, v, **options):
       for _ in range(layers):
-        q = attend(q, k, v).astype(q.dtype)
+        q = attend(q, k, v, **options).astype(q.dtype)
       return q
-    return jax.jit(run)
+    return run
 
-  calls, checks = {}, {}
-  for method in methods:
-    outs = []
-    for setting, value in settings:
-      for a, x in zip(ATTRS, value):
-        setattr(mosaic_backend, a, x)
-      nonfinite.REACHED_BY_RANGES = setting != "cond"
-      jax.clear_caches()
-      fn = stack(functools.partial(api.dot_product_attention,
-                                   is_causal=causal, method=method,
-                                   implementation="mosaic",
-                                   local_window_size=window))
-      compiled = fn.lower(q, k, v).compile()
-      calls[f"{method}/{setting}"] = (compiled, (q, k, v))
-      outs.append([np.asarray(compiled(*x), np.float32)
-                   for x in ((q, k, v), nonfinite_inputs(q, k, v))])
-    checks[method] = dict(same_bits=[
-        bool(np.array_equal(a, c, equal_nan=True))
-        for a, c in zip(*outs[:2])])
-    print(method, checks[method], flush=True)
+  calls, checks = api_calls_per_setting(
+      mosaic_backend, ATTRS, settings,
+      [(m, m, {"local_window_size": window}) for m in methods],
+      [(q, k, v), nonfinite_inputs(q, k, v)], causal=causal,
+      log=lambda m: print(m, flush=True), wrap=stack,
+      on_setting=lambda s: setattr(nonfinite, "REACHED_BY_RANGES",
+                                   s != "cond"))
   _defaults()
-  ref_args = tuple(x.astype(jax.numpy.bfloat16) for x in (q, k, v))
-  reference = (stack(functools.partial(
+  ref_args = tuple(x.astype(jnp.bfloat16) for x in (q, k, v))
+  reference = (jax.jit(stack(functools.partial(
       jax.nn.dot_product_attention, is_causal=causal,
       local_window_size=window, implementation=(
-          "cudnn" if jax.default_backend() == "gpu" else "xla"))), ref_args)
+          "cudnn" if jax.default_backend() == "gpu" else "xla")))), ref_args)
   return calls, checks, reference
 
 

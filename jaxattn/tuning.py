@@ -233,14 +233,18 @@ def jit_with_array_options(fn, opts):
 
 
 def api_calls_per_setting(module, attr, settings, methods, inputs, *,
-                          causal: bool, log=print):
+                          causal: bool, log=print, wrap=None,
+                          on_setting=None):
   """An A/B of one module attribute (a switch or a function), or of several
   (``attr`` a tuple of names, each ``value`` a tuple): for each
   ``(name, method, options)`` of ``methods`` and each ``(setting, value)``
   of ``settings``, ``module.attr = value`` and the API call on the Mosaic
   kernel compiled ahead of time (after ``jax.clear_caches()``: the API's
   jit keeps the last trace otherwise).  The last setting's value is left
-  in place.
+  in place.  ``wrap``: a function of the API call (``fn(q, k, v,
+  **options)``) that gives the function to compile instead (e.g. several
+  calls in a row); ``on_setting(setting)``: run after each setting's
+  attributes are set (a switch of another module).
 
   Returns ``(calls, checks)``: ``calls`` ``"name/setting" -> (compiled,
   inputs[0])`` for :func:`alternating_rounds`; ``checks[name]`` whether
@@ -253,10 +257,12 @@ def api_calls_per_setting(module, attr, settings, methods, inputs, *,
       for a, x in (zip(attr, value, strict=True) if isinstance(attr, tuple)
                    else [(attr, value)]):
         setattr(module, a, x)
+      if on_setting is not None:
+        on_setting(setting)
       jax.clear_caches()
-      call, arrays = jit_with_array_options(functools.partial(
-          api.dot_product_attention, is_causal=causal, method=method,
-          implementation="mosaic"), opts)
+      fn = functools.partial(api.dot_product_attention, is_causal=causal,
+                             method=method, implementation="mosaic")
+      call, arrays = jit_with_array_options(wrap(fn) if wrap else fn, opts)
       compiled = call.lower(*inputs[0], arrays).compile()
       calls[f"{name}/{setting}"] = (compiled, (*inputs[0], arrays))
       outs[setting] = [np.asarray(compiled(*x, arrays), np.float32)
