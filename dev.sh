@@ -2,7 +2,8 @@
 # The one entry point on a fresh machine:
 #
 #   bash dev.sh report [args...]     python -m jaxattn report [args...]
-#   bash dev.sh test [pytest args]   the CPU test suite (pytest -n 2 -m "not gpu")
+#   bash dev.sh test [pytest args]   the CPU test suite (pytest -n 2 -m "not gpu");
+#                                    --extended adds the cells CI leaves out
 #   bash dev.sh gpu-test [args]      the GPU tests (pytest -m gpu)
 #
 # It finds a Python >= 3.12, creates .venv in the repo root and installs the
@@ -14,6 +15,8 @@
 #   JAXATTN_NO_VENV=1                no venv: run with $JAXATTN_PYTHON or
 #                                    python3 as it is (e.g. a GPU machine
 #                                    with jax[cuda13] already installed)
+#   JAXATTN_TEST_XLA_OPT=default     the CPU suite at XLA's default
+#                                    optimisation level (it runs at 0)
 set -euo pipefail
 cd "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 
@@ -21,7 +24,7 @@ VENV=.venv
 STAMP="$VENV/.jaxattn-installed"
 
 usage() {
-  sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+  sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
 }
 
 is_py312() {  # is_py312 PYTHON: a runnable Python >= 3.12?

@@ -13,6 +13,20 @@ import os
 # warpgroups') removes the deadlock.  Read when jax creates its CPU client.
 os.environ.setdefault("PJRT_NPROC", "16")
 
+# XLA:CPU compiles the suite's programs at backend optimisation level 0,
+# unless XLA_FLAGS sets a level or JAXATTN_TEST_XLA_OPT=default.  The
+# suite is bound by XLA:CPU compiles of interpret-mode kernels, which users
+# never run on the CPU; the references, which they may, give the same bits
+# at both levels (test_extremes.py::test_references_do_not_depend_on_xla_
+# optimisation compares them).  docs/design.md ("The CPU suite") has the
+# times.  Not on a machine with an NVIDIA driver: the GPU tests compile
+# what users run.
+if (os.environ.get("JAXATTN_TEST_XLA_OPT", "0") == "0"
+    and "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", "")
+    and not os.path.exists("/dev/nvidiactl")):
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                             + " --xla_backend_optimization_level=0").strip()
+
 import pytest  # noqa: E402
 
 # jax's persistent compilation cache, shared by the xdist workers of one run
@@ -26,7 +40,72 @@ _CACHE_ENV = "JAXATTN_TEST_JIT_CACHE_DIR"
 _CACHE_PREFIX = "jaxattn-jit-cache-"
 
 
+# Cells of parametrized tests that run only in the extended suite
+# (``bash dev.sh test --extended``, or ``-m extended``).  Each repeats, on
+# the same backend and in the same test, a path that a sibling cell runs in
+# CI: a method that is another's kernel with other dtype flags (fp16_fp32
+# and fp16 are fp32's; int8's nonfinite handling is sage's), a quantizer
+# option on a second shape, or a second case of a feature.  The lists are
+# checked against what is collected, so a renamed cell fails the run.
+EXTENDED_CELLS = {
+    "tests/test_api.py::test_nonfinite_reaches_the_rows_it_reaches_in_float32":
+        ["triton-fp16_fp32", "triton-fp16", "triton-int8",
+         "mosaic-fp16_fp32", "mosaic-int8"],
+    "tests/test_flash_pasa.py::test_pasa_is_fp16_fp32_where_no_block_is_shifted":
+        ["hybrid-10.0-mosaic"],
+    "tests/test_grad.py::test_gradient_and_residual_in_one_call":
+        ["fp16_fp32-mosaic", "int8-mosaic", "fmha_int8-mosaic",
+         "fp16_fp32-triton", "fp16-triton", "int8-triton",
+         "fmha_int8-triton"],
+    "tests/test_index_mask.py::test_triton_kernels_match_reference_with_dense_mask":
+        ["fp16_fp32-bottom_right_lengths",
+         "fp16_fp32-bottom_right_window_segments",
+         "fp16-bottom_right_lengths", "fp16-bottom_right_window_segments",
+         "int8-bottom_right_lengths", "fmha_int8-bottom_right_lengths",
+         "fmha_int8-bottom_right_window_segments"],
+    "tests/test_pallas_quantized.py::test_kernel_matches_reference":
+        ["(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage2-4b'}-0.0001",
+         "(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage1'}-0.0001",
+         "(1, 200, 300, 2, 2, 64, True)-sage-{'qk_granularity': 'token', "
+         "'qk_dtype': 'int4'}-0.0001",
+         "(1, 200, 300, 2, 2, 64, True)-int8-{'v_granularity': 'block'}-0.0001",
+         "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
+         "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
+    "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
+        ["fmha_int8"],
+    "tests/test_mosaic.py::test_mosaic_pads_head_dims_to_its_tiles":
+        ["fp32-{}-96", "pasa-{}-96"],
+    "tests/test_mosaic.py::test_mosaic_interpreted_matches_reference":
+        ["fp16_fp32-{}", "sage-{'preset': 'sage1'}", "int8-{'pv_dtype': 'fp16'}"],
+    "tests/test_mosaic.py::test_mosaic_index_mask_matches_dense_mask_reference":
+        ["fp32-segments", "pasa-window"],
+    "tests/test_mosaic.py::test_mosaic_log_sum_exp":
+        ["fp16-fp16-True", "fp8-fp8-True"],
+    "tests/test_prepare.py::test_fused_qk_equals_xla_quantizers":
+        ["sage-{'qk_granularity': 'token', 'smooth_v': False}-{}",
+         "sage-{'qk_granularity': 'block'}-{}",
+         "sage-{'preset': 'sage1'}-{'d': 96}",
+         "fp8-{'granularity': 'block'}-{}"],
+    "tests/test_prepare.py::test_sage_inputs_equal_reference":
+        ["{'qk_granularity': 'token'}", "{'qk_granularity': 'block'}",
+         "{'preset': 'sage2-4b'}"],
+}
+
+
+def pytest_addoption(parser):
+  parser.addoption("--extended", action="store_true",
+                   help="also run the cells in tests/conftest.py's "
+                        "EXTENDED_CELLS, and 100 fuzz examples")
+
+
+def _extended(config) -> bool:
+  return (config.getoption("--extended")
+          or "extended" in (config.getoption("markexpr") or ""))
+
+
 def pytest_configure(config):
+  if config.getoption("--extended"):
+    os.environ.setdefault("JAXATTN_FUZZ_EXAMPLES", "100")
   if os.environ.get("JAXATTN_TEST_JIT_CACHE", "1") == "0":
     return
   if not hasattr(config, "workerinput"):   # the xdist controller, or no xdist
@@ -125,6 +204,7 @@ def pytest_collection_modifyitems(config, items):
   # hands each worker a chunk of consecutive tests first, then single
   # tests as they finish.)
   items.sort(key=lambda item: "slow" not in item.keywords)
+  _mark_extended(config, items)
   gpu_items = [item for item in items if "gpu" in item.keywords]
   if not gpu_items or _has_gpu():
     return
@@ -145,3 +225,29 @@ def poison_allocator():
       jnp.full(shape, jnp.nan, jnp.float32).block_until_ready()
 
   return poison
+
+
+def _mark_extended(config, items):
+  """Marks the cells of :data:`EXTENDED_CELLS` ``extended`` and, unless the
+  run asks for them, deselects them.  A listed cell of a collected test
+  that is not collected is an error (the list went stale)."""
+  found = {}
+  for item in items:
+    function, _, cell = item.nodeid.partition("[")
+    if cell[:-1] in EXTENDED_CELLS.get(function, ()):
+      item.add_marker(pytest.mark.extended)
+      found.setdefault(function, set()).add(cell[:-1])
+  collected = {item.nodeid.partition("[")[0] for item in items}
+  for function, cells in EXTENDED_CELLS.items():
+    missing = set(cells) - found.get(function, set())
+    if function in collected and missing and not config.getoption("keyword"):
+      raise pytest.UsageError(
+          f"EXTENDED_CELLS lists cells of {function} that were not "
+          f"collected: {sorted(missing)}")
+  if _extended(config):
+    return
+  keep = [item for item in items if "extended" not in item.keywords]
+  if len(keep) < len(items):
+    config.hook.pytest_deselected(
+        items=[item for item in items if "extended" in item.keywords])
+    items[:] = keep
