@@ -281,3 +281,27 @@ def test_bench_accuracy_against_float32():
       ms=1.0, tflops=2.0, ratio_vs_cudnn_bf16=1.0, cos_sim=0.9999,
       rel_l2=1.2e-2)})
   assert line.endswith("x1.000  cos 0.999900 rel_l2 1.20e-02")
+
+
+def test_bench_accuracy_reference_once_per_shape(monkeypatch):
+  """The float32 reference is computed once per shape; where it fails
+  (out of memory at 32k tokens), each row keeps its timing and records the
+  reference's error, and the reference is not tried again."""
+  import jax.numpy as jnp
+  calls = []
+
+  def failing_reference(inputs, causal):
+    calls.append(causal)
+    raise MemoryError("64 GiB of scores")
+
+  jobs = [(name, "jax", (jnp.float16, lambda q, k, v: q + k + v))
+          for name in ("cudnn_bf16", "a", "b")]
+  monkeypatch.setattr(bench, "method_jobs", lambda *a, **k: jobs)
+  monkeypatch.setattr(bench, "accuracy_reference", failing_reference)
+  monkeypatch.setattr(bench, "device_period_ms", lambda f, args: 1.0)
+  rows = bench.bench_shape((1, 2, 32, 16), True, [], 1, 1, io.StringIO())
+  assert calls == [True]
+  for name in ("cudnn_bf16", "a", "b"):
+    assert rows[name]["ms"] > 0, rows[name]
+    assert rows[name]["accuracy_error"].startswith(
+        "reference: MemoryError: 64 GiB"), rows[name]
