@@ -229,8 +229,10 @@ def poison_allocator():
 
 def _mark_extended(config, items):
   """Marks the cells of :data:`EXTENDED_CELLS` ``extended`` and, unless the
-  run asks for them, deselects them.  A listed cell of a collected test
-  that is not collected is an error (the list went stale)."""
+  run asks for them (or names them as node ids), deselects them.  A listed
+  cell of a collected test that is not collected is an error (the list
+  went stale), unless the run selects by ``-k`` or node id."""
+  by_node_id = any("::" in arg for arg in config.args)
   found = {}
   for item in items:
     function, _, cell = item.nodeid.partition("[")
@@ -240,14 +242,18 @@ def _mark_extended(config, items):
   collected = {item.nodeid.partition("[")[0] for item in items}
   for function, cells in EXTENDED_CELLS.items():
     missing = set(cells) - found.get(function, set())
-    if function in collected and missing and not config.getoption("keyword"):
+    if (function in collected and missing and not by_node_id
+        and not config.getoption("keyword")):
       raise pytest.UsageError(
           f"EXTENDED_CELLS lists cells of {function} that were not "
           f"collected: {sorted(missing)}")
   if _extended(config):
     return
-  keep = [item for item in items if "extended" not in item.keywords]
+  named = set(config.args)
+  keep = [item for item in items
+          if "extended" not in item.keywords or item.nodeid in named]
   if len(keep) < len(items):
+    kept = set(map(id, keep))
     config.hook.pytest_deselected(
-        items=[item for item in items if "extended" in item.keywords])
+        items=[item for item in items if id(item) not in kept])
     items[:] = keep
