@@ -6,7 +6,12 @@ query head, tile of ``2 * block_q`` rows); three warpgroups, a producer that
 streams K and V blocks with the bulk tensor copy engine (TMA) into a ring of
 ``stages`` shared-memory slots, and two consumers on alternating query blocks
 whose softmax overlaps the other's matmuls (a shared "schedule" barrier
-orders their tensor-core use: ping-pong).
+orders their tensor-core use: ping-pong).  With ``warpgroups=1``
+(:class:`MosaicParams`) the CTA is SageAttention2's sm90 one instead: one
+warpgroup of ``block_q`` rows that issues its own loads into the ring and
+keeps its registers, so that several CTAs share an SM and overlap one
+another's softmax and matmuls; every row computes the same steps either
+way, so the two give the same bits.
 
 Operand types (static ``qk`` / ``pv``):
 
@@ -146,14 +151,40 @@ GRID_HEADS_INNER = True
 # 3% faster end to end; the V scale's kernels did not move
 # (``benchmarks/block_scale_prefetch.py`` times the choices).
 PREFETCH_BLOCK_SCALES = True
+# Where a CTA is one warpgroup by default (:class:`MosaicParams`): at head
+# dim 64, for the operand types listed, on causal calls too where True.  At
+# 64 such a CTA needs 44-76 KB of shared memory, so two to four share an SM.
+# Measured end to end on the H100 (docs/design.md, "One warpgroup per
+# CTA"): fp8 9% faster causal or not, full INT8 7% faster non-causal and 3%
+# slower causal; sage, half-INT8, the FMHA and fp32 moved within 3%, PASA
+# lost 8-12%.
+ONE_WARPGROUP_HEAD_DIMS = (64,)
+ONE_WARPGROUP_OPERANDS = {("fp8", "fp8"): True, ("int8", "int8"): False}
+
+
+def default_warpgroups(qk: str, pv: str, head_dim: int,
+                       is_causal: bool) -> int:
+  """The CTA's consumer warpgroups (:class:`MosaicParams`) for a call whose
+  tiles have ``head_dim`` channels."""
+  causal_too = ONE_WARPGROUP_OPERANDS.get((qk, pv))
+  one = (head_dim in ONE_WARPGROUP_HEAD_DIMS and causal_too is not None
+         and (causal_too or not is_causal))
+  return 1 if one else 2
 
 
 @dataclasses.dataclass(frozen=True)
 class MosaicParams:
-  """Rows per consumer warpgroup, keys per block, shared-memory ring depth."""
+  """Rows per consumer warpgroup, keys per block, shared-memory ring depth,
+  and the CTA's shape: ``warpgroups=2`` is FlashAttention-3's (a producer
+  warpgroup and two consumers in ping-pong, one CTA per SM);
+  ``warpgroups=1`` SageAttention2's sm90 one (one warpgroup that issues its
+  own TMA loads, no register reallocation, so that several CTAs share an
+  SM and overlap one another's softmax and matmuls); None picks as
+  measured (:func:`default_warpgroups`)."""
   block_q: int = 64
   block_k: int = 128
   stages: int = 2
+  warpgroups: int | None = None
 
 
 def interpret():
@@ -448,7 +479,7 @@ def _log_sum_exp(m, l, empty, *, pv):
 
 
 def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
-            block_q, block_k, stages, group, c_scale, pasa_inva,
+            block_q, block_k, stages, warpgroups, group, c_scale, pasa_inva,
             pasa_running, pasa_state_dtype, f16_scores, has_shifted,
             has_segments, has_qk_scales, k_scale_per_block, has_qbias,
             bias_rows, has_vbs, prefetch_block_scales,
@@ -459,7 +490,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             round_p_by_add, early_block_loads, int_scores_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
-  (2 block_q), 10]``, one row per query tile, read by every head's CTA
+  (W block_q), 2 + 4 W]`` (W = ``warpgroups``), one row per query tile,
+  read by every head's CTA
   (:func:`tile_table`); key_range_ref int32 ``[B, 2, T_pad]``, the first and
   last key each row sees (:func:`common.row_key_ranges`); with
   ``runtime_exponent`` int32 ``[1]``, nonzero for the exact exponent (both
@@ -480,6 +512,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   no ``q_scale`` gives it.  ``pasa_inva``: k holds PASA's shifted keys and
   this is ``fl16(beta / (1 - beta))``; None otherwise."""
   refs = list(refs)
+  wgs = warpgroups
+  producer = wgs > 1   # else the one warpgroup issues its own loads
   key_range_ref = refs.pop(0)
   exact_ref = refs.pop(0) if runtime_exponent else None
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
@@ -512,30 +546,75 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
     batch, q_seq = tile_ref[tile, 0], tile_ref[tile, 1]
     q_head = lax.axis_index("heads")
     kv_head = lax.div(q_head, jnp.int32(group))
-    wg = lax.axis_index("wg")
-    tile_base = q_seq * (2 * bq)
+    wg = lax.axis_index("wg") if producer else 0
+    # a warpgroup's own buffer (one warpgroup's are allocated without the
+    # leading axis: a constant index into them does not lower in run_state)
+    own = (lambda ref: ref.at[wg]) if producer else (lambda ref: ref)
+    tile_base = q_seq * (wgs * bq)
     wg_ranges = [[tile_ref[tile, 2 + 4 * w + c] for c in range(4)]
-                 for w in range(2)]
+                 for w in range(wgs)]
     # The CTA streams the union of its warpgroups' key blocks (an empty
     # range is (0, 0, 0, 0): it must not pull tile_lo down to 0).
-    (lo0, *_, hi0), (lo1, *_, hi1) = wg_ranges
-    tile_hi = jnp.maximum(hi0, hi1)
-    tile_lo = jnp.minimum(jnp.where(hi0 > lo0, lo0, tile_hi),
-                          jnp.where(hi1 > lo1, lo1, tile_hi))
+    tile_hi = functools.reduce(jnp.maximum, [r[3] for r in wg_ranges])
+    tile_lo = functools.reduce(jnp.minimum, [
+        jnp.where(hi > lo, lo, tile_hi) for lo, *_, hi in wg_ranges])
     tile_steps = tile_hi - tile_lo
 
     def slot_of(j):  # key block j's ring slot (step j - tile_lo)
       return lax.rem(j - tile_lo, jnp.int32(stages))
 
     def schedule_barrier():
-      plgpu.barrier_arrive(schedule)
-      plgpu.barrier_wait(schedule)
+      if producer:   # (one warpgroup has no sibling to take turns with)
+        plgpu.barrier_arrive(schedule)
+        plgpu.barrier_wait(schedule)
 
-    @pl.when(wg < 2)
+    def load_k(u, slot):  # step u: key block tile_lo + u, with its rows
+      j = tile_lo + u
+      plgpu.copy_gmem_to_smem(
+          k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
+          k_bars.at[slot])
+      if has_qk_scales and not k_scale_per_block:
+        plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
+                                ks_smem.at[slot], ks_bars.at[slot])
+      if has_qbias:  # the tile's rows lie in one bias block
+        plgpu.copy_gmem_to_smem(
+            qbias_ref.at[batch, q_head,
+                         lax.div(tile_base, jnp.int32(bias_rows)),
+                         pl.ds(j * bk, bk)],
+            qb_smem.at[slot], qb_bars.at[slot])
+
+    def load_v(u, slot):
+      j = tile_lo + u
+      v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
+               else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
+      plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
+
+    def first_loads():   # the ring's first fill
+      for st in range(stages):
+        @pl.when(st < tile_steps)
+        def _():
+          load_k(jnp.int32(st), st)
+          load_v(jnp.int32(st), st)
+
+    def release(j, consumed, load):
+      """Block j's K (or V) slot is read: the producer may refill it, or,
+      without one, the warpgroup loads block ``j + stages`` into it once
+      all its warps are past their reads."""
+      slot = slot_of(j)
+      if producer:
+        plgpu.barrier_arrive(consumed.at[slot])
+        return
+      plgpu.commit_smem()
+
+      @pl.when(j + stages < tile_hi)
+      def _():
+        load(j + stages - tile_lo, slot)
+
     def _consumer():
-      plgpu.set_max_registers(232, action="increase")
-      q_smem, o_smem = q_smem2.at[wg], o_smem2.at[wg]
-      p_smem = p_smem2.at[wg] if p_smem2 is not None else None
+      if producer:
+        plgpu.set_max_registers(232, action="increase")
+      q_smem, o_smem = own(q_smem2), own(o_smem2)
+      p_smem = own(p_smem2) if p_smem2 is not None else None
       q_base = tile_base + wg * bq
       # this warpgroup's (lo, full_lo, full_hi, hi); an empty range becomes
       # [tile_lo, tile_lo), so that it only drains
@@ -543,7 +622,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           jnp.maximum(tile_ref[tile, 2 + 4 * wg + c], tile_lo)
           for c in range(4))
       plgpu.copy_gmem_to_smem(q_ref.at[batch, pl.ds(q_base, bq), q_head],
-                              q_smem, q_bars.at[wg])
+                              q_smem, own(q_bars))
+      if not producer:
+        first_loads()
       row_layout = plgpu.Layout.WGMMA.reduce(1)
       col_layout = plgpu.Layout.WGMMA.reduce(0)
       if has_qk_scales:
@@ -573,7 +654,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         exp_factor = 1.0 if has_qk_scales else c_scale
       acc_type = jnp.int32 if qk == "int8" else f32
       pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
-      plgpu.barrier_wait(q_bars.at[wg])
+      plgpu.barrier_wait(own(q_bars))
 
       def block_loads(j, masked):
         """Block j's values in global memory, as functions that give them:
@@ -621,7 +702,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         if has_qbias:
           plgpu.barrier_wait(qb_bars.at[slot])
           qb = plgpu.load(qb_smem.at[slot], layout=col_layout, optimized=False)
-        plgpu.barrier_arrive(k_consumed.at[slot])
+        release(j, k_consumed, load_k)
         if k_scale_per_block and not (has_qbias or exact_exponent):
           # One K scale for the block: S_i32 q_scale k_j, with the row
           # factor q_scale k_j > 0 applied by the softmax (no multiply per
@@ -816,9 +897,11 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             s, c, visible, m_i, l_i, shift, exact_exponent)
         if fused_pv:   # (else one FMA in add_block)
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        plgpu.barrier_arrive(schedule)
+        if producer:
+          plgpu.barrier_arrive(schedule)
         plgpu.barrier_wait(v_bars.at[slot])
-        plgpu.barrier_wait(schedule)
+        if producer:
+          plgpu.barrier_wait(schedule)
         p_op, v_op = pv_operands(j, p_op)
 
         def wait_next_k():
@@ -848,7 +931,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           acc, m_new, l_new, pasa_state = add_block(
               (acc, m_new, l_new, pasa_state), pv_blk, loads, alpha,
               block_rows)
-        plgpu.barrier_arrive(v_consumed.at[slot])
+        release(j, v_consumed, load_v)
         return acc, m_new, l_new, pasa_state, ahead
 
       def drain(j, _):  # blocks the other warpgroup needs and this one not
@@ -866,8 +949,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
 
       # Every step of [tile_lo, tile_hi) in order, each barrier phase
       # observed once: drain, masked, unmasked, masked, drain.
-      pl.when(wg == 1)(schedule_barrier)
-      lax.fori_loop(tile_lo, lo, drain, None)
+      if producer:
+        pl.when(wg == 1)(schedule_barrier)
+        lax.fori_loop(tile_lo, lo, drain, None)
 
       @pl.when(hi > lo)
       def _():
@@ -895,8 +979,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                                  functools.partial(own_blocks, False))
       else:
         acc, m_i, l_i = own_blocks(exact_exponent)
-      lax.fori_loop(hi, tile_hi, drain, None)
-      pl.when(wg == 0)(schedule_barrier)
+      if producer:
+        lax.fori_loop(hi, tile_hi, drain, None)
+        pl.when(wg == 0)(schedule_barrier)
 
       empty = l_i == 0.0
       # (with P * 448 folded into the exponent, l is in units of 1/448)
@@ -923,51 +1008,31 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       plgpu.copy_smem_to_gmem(o_smem,
                               out_ref.at[batch, pl.ds(q_base, bq), q_head])
       if return_lse:
-        lse_smem = lse_smem2.at[wg]
+        lse_smem = own(lse_smem2)
         lse_smem[...] = _log_sum_exp(m_i, l_i, empty, pv=pv)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(lse_smem,
                                 lse_ref.at[batch, q_head, pl.ds(q_base, bq)])
       if return_row_amax:   # (the 8-bit FMHA's output scale, without a
         # pass over O)
-        amax_smem = amax_smem2.at[wg]
+        amax_smem = own(amax_smem2)
         amax_smem[...] = jnp.abs(out.astype(f32)).max(axis=1)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(amax_smem,
                                 amax_ref.at[batch, q_head, pl.ds(q_base, bq)])
       plgpu.wait_smem_to_gmem(0)
 
-    @pl.when(wg == 2)
     def _producer():
       plgpu.set_max_registers(40, action="decrease")
-
-      def load(u, slot):  # step u: key block tile_lo + u
-        j = tile_lo + u
-        plgpu.copy_gmem_to_smem(
-            k_ref.at[batch, pl.ds(j * bk, bk), kv_head], k_smem.at[slot],
-            k_bars.at[slot])
-        v_src = (v_ref.at[batch, kv_head, :, pl.ds(j * bk, bk)] if eight_bit_pv
-                 else v_ref.at[batch, pl.ds(j * bk, bk), kv_head])
-        plgpu.copy_gmem_to_smem(v_src, v_smem.at[slot], v_bars.at[slot])
-        if has_qk_scales and not k_scale_per_block:
-          plgpu.copy_gmem_to_smem(ks_ref.at[batch, kv_head, pl.ds(j * bk, bk)],
-                                  ks_smem.at[slot], ks_bars.at[slot])
-        if has_qbias:  # both consumers' rows lie in one bias block
-          plgpu.copy_gmem_to_smem(
-              qbias_ref.at[batch, q_head,
-                           lax.div(tile_base, jnp.int32(bias_rows)),
-                           pl.ds(j * bk, bk)],
-              qb_smem.at[slot], qb_bars.at[slot])
-
-      for st in range(stages):
-        pl.when(st < tile_steps)(functools.partial(load, jnp.int32(st), st))
+      first_loads()
 
       @pl.loop(stages, jnp.maximum(tile_steps, stages))
       def _(u):
         slot = lax.rem(u, jnp.int32(stages))
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
-        load(u, slot)
+        load_k(u, slot)
+        load_v(u, slot)
 
       @pl.loop(jnp.maximum(tile_steps - stages, 0), tile_steps)
       def _(u):  # the last uses of each slot (every phase is observed)
@@ -975,41 +1040,49 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         plgpu.barrier_wait(k_consumed.at[slot])
         plgpu.barrier_wait(v_consumed.at[slot])
 
+    if producer:
+      pl.when(wg < wgs)(_consumer)
+      pl.when(wg == wgs)(_producer)
+    else:
+      _consumer()
+
   q_dtype, k_dtype, v_dtype = q_ref.dtype, k_ref.dtype, v_ref.dtype
   v_tile = (head_dim, bk) if eight_bit_pv else (bk, head_dim)
   p_dtype = {"fp8": jnp.float8_e4m3fn, "int8": jnp.int8,
              "uint8": jnp.int8}.get(pv, v_dtype)
+  per_wg = (wgs,) if producer else ()
   scratch = [
-      _smem((2, bq, head_dim), q_dtype),
-      _smem((2, bq, head_dim), out_dtype) if out_dtype != q_dtype else None,
+      _smem((*per_wg, bq, head_dim), q_dtype),
+      (_smem((*per_wg, bq, head_dim), out_dtype) if out_dtype != q_dtype
+       else None),
       _smem((stages, bk, head_dim), k_dtype),
       _smem((stages, *v_tile), v_dtype),
-      _smem((2, bq, bk), p_dtype) if p_in_smem else None,
+      _smem((*per_wg, bq, bk), p_dtype) if p_in_smem else None,
       (plgpu.SMEM((stages, bk), jnp.float32)
        if has_qk_scales and not k_scale_per_block else None),
       plgpu.SMEM((stages, bk), jnp.float32) if has_qbias else None,
-      plgpu.SMEM((2, bq), jnp.float32) if return_lse else None,
-      plgpu.SMEM((2, bq), jnp.float32) if return_row_amax else None,
+      plgpu.SMEM((*per_wg, bq), jnp.float32) if return_lse else None,
+      plgpu.SMEM((*per_wg, bq), jnp.float32) if return_row_amax else None,
   ]
   barriers = (
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
-      plgpu.Barrier(num_barriers=2),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-      plgpu.Barrier(num_arrivals=2),
+      plgpu.Barrier(num_barriers=wgs) if producer else plgpu.Barrier(),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs, num_barriers=stages),
+      plgpu.Barrier(num_arrivals=wgs),
       plgpu.Barrier(num_barriers=stages),
       plgpu.Barrier(num_barriers=stages),
   )
   pl.run_scoped(lambda sc, *bars: body(sc, bars), scratch, *barriers,
-                collective_axes="wg")
+                **(dict(collective_axes="wg") if producer else {}))
 
 
-def tile_table(ranges, *, heaviest_first: bool):
-  """int32 ``[B * T_pad / (2 block_q), 10]``, one row per query tile (read
-  by every head's CTA): its batch row, its tile (``2 block_q`` rows) and
-  its two warpgroups' key-block ranges (:func:`common.block_ranges`,
-  ``ranges`` ``[B, T_pad / block_q, 4]``).
+def tile_table(ranges, *, heaviest_first: bool, warpgroups: int = 2):
+  """int32 ``[B * T_pad / (W block_q), 2 + 4 W]``, one row per query tile
+  (read by every head's CTA): its batch row, its tile (``W block_q`` rows,
+  ``W = warpgroups``) and its warpgroups' key-block ranges
+  (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad / block_q, 4]``).
 
   With ``heaviest_first`` the rows are ordered by the key blocks their two
   warpgroups compute, most first (a stable sort): the hardware hands each
@@ -1017,14 +1090,14 @@ def tile_table(ranges, *, heaviest_first: bool):
   first rows, short documents) fill the last wave (a longest-first list
   schedule)."""
   b, n_row_blocks, _ = ranges.shape
-  tiles = n_row_blocks // 2
-  ranges = ranges.reshape(b, tiles, 8)
+  tiles = n_row_blocks // warpgroups
+  ranges = ranges.reshape(b, tiles, 4 * warpgroups)
   index = lambda axis: lax.broadcasted_iota(jnp.int32, (b, tiles, 1), axis)
   table = jnp.concatenate([index(0), index(1), ranges], axis=-1).reshape(
-      b * tiles, 10).astype(jnp.int32)
+      b * tiles, 2 + 4 * warpgroups).astype(jnp.int32)
   if heaviest_first:
-    blocks = ((ranges[..., 3] - ranges[..., 0])
-              + (ranges[..., 7] - ranges[..., 4])).reshape(b * tiles)
+    blocks = sum(ranges[..., 4 * w + 3] - ranges[..., 4 * w]
+                 for w in range(warpgroups)).reshape(b * tiles)
     table = table[jnp.argsort(-blocks, stable=True)]
   return table
 
@@ -1123,7 +1196,10 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
   bq, bk = params.block_q, params.block_k
-  t_pad = common.round_up(t, 2 * bq)
+  wgs = params.warpgroups or default_warpgroups(qk, pv, d_tile, is_causal)
+  if wgs not in (1, 2):
+    raise ValueError(f"warpgroups must be 1 or 2, got {wgs}")
+  t_pad = common.round_up(t, wgs * bq)
   s_pad = common.round_up(s_len, bk)
   pad = common.pad_axis
   q, k = pad(pad(q, 1, t_pad), 3, d_tile), pad(pad(k, 1, s_pad), 3, d_tile)
@@ -1143,7 +1219,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bounds, ranges, segments = common.index_operands(
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST),
+  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST,
+                              warpgroups=wgs),
           common.row_key_ranges(bounds, t_pad=t_pad)]
   runtime_exponent = not isinstance(exact_exponent, (bool, np.bool_))
   if runtime_exponent:
@@ -1169,9 +1246,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                          f"{k_block_scale.shape}")
       args.append(k_block_scale.astype(jnp.float32))
   if q_block_bias is not None:
-    if bias_rows % (2 * bq):
-      raise ValueError(f"bias_rows={bias_rows} must be a multiple of "
-                       f"2 * block_q={2 * bq}")
+    if bias_rows % (wgs * bq):
+      raise ValueError(f"bias_rows={bias_rows} must be a multiple of the "
+                       f"tile's {wgs * bq} rows")
     args.append(pad(pad(q_block_bias.astype(jnp.float32), 3, s_pad), 2,
                     -(-t_pad // bias_rows)))
   if v_block_scale is not None:
@@ -1208,7 +1285,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   k_scale_per_block = has_qk_scales and k_block_scale is not None
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
-      stages=params.stages, group=n // nk,
+      stages=params.stages, warpgroups=wgs, group=n // nk,
       c_scale=float(pasa_exp_scale if pasa else scale or 1.0) * LOG2E,
       pasa_inva=float(pasa_inva) if pasa else None,
       pasa_running=bool(pasa_running),
@@ -1243,8 +1320,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   outs = plgpu.kernel(
       kernel,
       out_type=out_type if row_outputs else out_type[0],
-      **_grid(n, b * t_pad // (2 * bq)),
-      num_threads=3, thread_name="wg",
+      **_grid(n, b * t_pad // (wgs * bq)),
+      **(dict(num_threads=wgs + 1, thread_name="wg") if wgs > 1 else {}),
       compiler_params=plgpu.CompilerParams(approx_math=True),
       interpret=interp,
   )(*args)

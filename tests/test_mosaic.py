@@ -849,3 +849,49 @@ def test_mosaic_row_amax_is_the_written_rows_max(out_dtype):
   want = np.abs(np.asarray(out, np.float32)).max(-1).transpose(0, 2, 1)
   np.testing.assert_array_equal(np.asarray(amax), want)
   assert want[0].min() > 0 and not want[1].any()
+
+
+@pytest.mark.parametrize("method", ["fp32", "sage", "fmha_int8", "fp8"])
+def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
+  """The CTA as one warpgroup that issues its own loads
+  (``MosaicParams.warpgroups=1``) gives the producer-and-two-consumers
+  kernel's bits: output and log-sum-exp, causal and bottom-right aligned,
+  with query and key lengths, a window and packed segments (CTAs that skip
+  key blocks, blocks masked in part), a NaN in one key and GQA.  Each method
+  takes its other defaults (fp32: 16-bit P accumulated in the tensor cores;
+  sage: the smoothing bias by TMA; the FMHA: uint8 P and V's column sums;
+  fp8: 256-key blocks where no block is skipped)."""
+  from pallas_kernels import mosaic
+  b, t, s, n, kh, d = 2, 150, 200, 2, 1, 64
+  kq, kk, kv = jax.random.split(jax.random.key(11), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = (jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 0.5).at[
+      1, 7, 0, 3].set(jnp.inf)
+  v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
+  q_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [40, 60, 50],
+                                axis=1), jnp.int32)
+  kv_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [90, 60, 50],
+                                 axis=1), jnp.int32)
+  calls = [dict(is_causal=True, causal_alignment="bottom_right",
+                query_seq_lengths=jnp.asarray([150, 120], jnp.int32),
+                key_value_seq_lengths=jnp.asarray([200, 170], jnp.int32)),
+           dict(is_causal=False, local_window_size=(70, 20),
+                q_segment_ids=q_seg, kv_segment_ids=kv_seg)]
+  every = {(a, c): True for a in mosaic.QK_TYPES for c in mosaic.PV_TYPES}
+  outs = {}
+  for setting, (dims, operands) in {"one": ((d,), every),
+                                    "two": ((), {})}.items():
+    monkeypatch.setattr(mosaic, "ONE_WARPGROUP_HEAD_DIMS", dims)
+    monkeypatch.setattr(mosaic, "ONE_WARPGROUP_OPERANDS", operands)
+    jax.clear_caches()
+    assert mosaic.default_warpgroups("fp16", "fp16", d, True) == (
+        1 if setting == "one" else 2)
+    outs[setting] = [jaxattn.dot_product_attention(
+        q, k, v, method=method, implementation="mosaic",
+        return_residual=method != "fmha_int8", **kw) for kw in calls]
+  jax.clear_caches()
+  for one, two in zip(outs["one"], outs["two"]):
+    out = np.asarray(jax.tree.leaves(one)[0], np.float32)
+    assert np.isnan(out).any() and np.isfinite(out).any()   # (the Inf key)
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(y))

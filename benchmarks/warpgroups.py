@@ -1,0 +1,46 @@
+"""A/B of the Mosaic kernel's CTA shape (``MosaicParams.warpgroups``): one
+warpgroup that issues its own loads, several CTAs per SM (SageAttention2's
+sm90 shape), against a producer and two consumers in ping-pong, one CTA per
+SM (FlashAttention-3's), end to end on the H100 in one process against cuDNN
+bfloat16:
+
+  python benchmarks/warpgroups.py OUT.json [--causal] [--shape B,S,N,D]
+      [--methods fp8,sage,...]
+
+The setting moves ``pallas_kernels.mosaic.ONE_WARPGROUP_HEAD_DIMS`` and
+``ONE_WARPGROUP_OPERANDS``: "one" gives every method one warpgroup at the
+shape's head dim, "two" none; each method keeps its other defaults.  Each call is compiled ahead of time and timed in three rounds of
+alternating order; ``checks`` say whether the two shapes give the same bits,
+on ordinary inputs and with a NaN in one query row and an Inf in one key.
+"""
+from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
+                            nonfinite_inputs, random_btnh,
+                            record_against_cudnn)
+from pallas_kernels import mosaic
+
+METHODS = {"fp32": ("fp32", {}), "pasa": ("pasa", {}),
+           "sage2-8b": ("sage", {}), "int8_full": ("int8", {}),
+           "int8_half": ("int8", {"pv_dtype": "fp16"}),
+           "fmha_int8": ("fmha_int8", {}), "fp8": ("fp8", {})}
+
+
+def main():
+  args = benchmark_args(causal=True, extra=(
+      ("--methods", dict(default=",".join(METHODS))),))
+  q, k, v = random_btnh(args.shape)
+  d = args.shape[3]
+  every = {(a, b): True for a in mosaic.QK_TYPES for b in mosaic.PV_TYPES}
+  defaults = (mosaic.ONE_WARPGROUP_HEAD_DIMS, mosaic.ONE_WARPGROUP_OPERANDS)
+  settings = (("one", ((d,), every)), ("two", ((), {})))
+  calls, checks = api_calls_per_setting(
+      mosaic, ("ONE_WARPGROUP_HEAD_DIMS", "ONE_WARPGROUP_OPERANDS"), settings,
+      [(n, *METHODS[n]) for n in args.methods.split(",")],
+      [(q, k, v), nonfinite_inputs(q, k, v)], causal=args.causal,
+      log=lambda m: print(m, flush=True))
+  mosaic.ONE_WARPGROUP_HEAD_DIMS, mosaic.ONE_WARPGROUP_OPERANDS = defaults
+  record_against_cudnn(args.out, calls, (q, k, v), causal=args.causal,
+                       checks=checks)
+
+
+if __name__ == "__main__":
+  main()
