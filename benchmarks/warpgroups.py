@@ -5,17 +5,22 @@ SM (FlashAttention-3's), end to end on the H100 in one process against cuDNN
 bfloat16:
 
   python benchmarks/warpgroups.py OUT.json [--causal] [--shape B,S,N,D]
-      [--methods fp8,sage,...]
+      [--methods fp8,sage,...] [--fused-exponent] [--no-prefetch]
 
 The setting moves ``pallas_kernels.mosaic.ONE_WARPGROUP_HEAD_DIMS`` and
 ``ONE_WARPGROUP_OPERANDS``: "one" gives every method one warpgroup at the
 shape's head dim, "two" none; each method keeps its other defaults.  Each call is compiled ahead of time and timed in three rounds of
 alternating order; ``checks`` say whether the two shapes give the same bits,
 on ordinary inputs and with a NaN in one query row and an Inf in one key.
+Diagnostics (not the defaults): ``--fused-exponent`` compiles only the
+fused exponent (no run-time choice by the score bound; not safe for huge
+scores), ``--no-prefetch`` loads the per-block values where they are used
+(``PREFETCH_BLOCK_SCALES`` and ``EARLY_BLOCK_LOADS`` off).
 """
 from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
                             nonfinite_inputs, random_btnh,
                             record_against_cudnn)
+from jaxattn.backends import mosaic as mosaic_backend
 from pallas_kernels import mosaic
 
 METHODS = {"fp32": ("fp32", {}), "pasa": ("pasa", {}),
@@ -26,7 +31,14 @@ METHODS = {"fp32": ("fp32", {}), "pasa": ("pasa", {}),
 
 def main():
   args = benchmark_args(causal=True, extra=(
-      ("--methods", dict(default=",".join(METHODS))),))
+      ("--methods", dict(default=",".join(METHODS))),
+      ("--fused-exponent", dict(action="store_true")),
+      ("--no-prefetch", dict(action="store_true"))))
+  if args.fused_exponent:
+    mosaic_backend._exact_when_needed = (
+        lambda kernel, bound: kernel(exact_exponent=False))
+  if args.no_prefetch:
+    mosaic.PREFETCH_BLOCK_SCALES = mosaic.EARLY_BLOCK_LOADS = False
   q, k, v = random_btnh(args.shape)
   d = args.shape[3]
   every = {(a, b): True for a in mosaic.QK_TYPES for b in mosaic.PV_TYPES}
@@ -39,7 +51,8 @@ def main():
       log=lambda m: print(m, flush=True))
   mosaic.ONE_WARPGROUP_HEAD_DIMS, mosaic.ONE_WARPGROUP_OPERANDS = defaults
   record_against_cudnn(args.out, calls, (q, k, v), causal=args.causal,
-                       checks=checks)
+                       checks=checks, fused_exponent=args.fused_exponent,
+                       no_prefetch=args.no_prefetch)
 
 
 if __name__ == "__main__":
