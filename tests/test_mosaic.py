@@ -857,10 +857,10 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
   (``MosaicParams.warpgroups=1``) gives the producer-and-two-consumers
   kernel's bits: output and log-sum-exp, causal and bottom-right aligned,
   with query and key lengths, a window and packed segments (CTAs that skip
-  key blocks, blocks masked in part), a NaN in one key and GQA.  Each method
-  takes its other defaults (fp32: 16-bit P accumulated in the tensor cores;
-  sage: the smoothing bias by TMA; the FMHA: uint8 P and V's column sums;
-  fp8: 256-key blocks where no block is skipped)."""
+  key blocks, blocks masked in part), a NaN in one key and GQA.  64-key
+  blocks, so that a CTA walks more blocks than the ring has slots and the
+  warpgroup refills them itself (sage: the smoothing bias by TMA with K;
+  the FMHA: uint8 P and V's column sums)."""
   from pallas_kernels import mosaic
   b, t, s, n, kh, d = 2, 150, 200, 2, 1, 64
   kq, kk, kv = jax.random.split(jax.random.key(11), 3)
@@ -887,7 +887,7 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
     assert mosaic.default_warpgroups("fp16", "fp16", d, True) == (
         1 if setting == "one" else 2)
     outs[setting] = [jaxattn.dot_product_attention(
-        q, k, v, method=method, implementation="mosaic",
+        q, k, v, method=method, implementation="mosaic", block_k=64,
         return_residual=method != "fmha_int8", **kw) for kw in calls]
   jax.clear_caches()
   for one, two in zip(outs["one"], outs["two"]):
