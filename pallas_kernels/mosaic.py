@@ -1196,7 +1196,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
   bq, bk = params.block_q, params.block_k
-  wgs = params.warpgroups or default_warpgroups(qk, pv, d_tile, is_causal)
+  wgs = (default_warpgroups(qk, pv, d_tile, is_causal)
+         if params.warpgroups is None else params.warpgroups)
   if wgs not in (1, 2):
     raise ValueError(f"warpgroups must be 1 or 2, got {wgs}")
   t_pad = common.round_up(t, wgs * bq)
