@@ -9,7 +9,8 @@ bfloat16:
 
 The setting moves ``pallas_kernels.mosaic.ONE_WARPGROUP_HEAD_DIMS`` and
 ``ONE_WARPGROUP_OPERANDS``: "one" gives every method one warpgroup at the
-shape's head dim, "two" none; each method keeps its other defaults.  Each call is compiled ahead of time and timed in three rounds of
+shape's head dim, "two" none; each method keeps its other defaults.
+Each call is compiled ahead of time and timed in three rounds of
 alternating order; ``checks`` say whether the two shapes give the same bits,
 on ordinary inputs and with a NaN in one query row and an Inf in one key.
 Diagnostics (not the defaults): ``--fused-exponent`` compiles only the
