@@ -42,7 +42,8 @@ def main():
     mosaic.PREFETCH_BLOCK_SCALES = mosaic.EARLY_BLOCK_LOADS = False
   q, k, v = random_btnh(args.shape)
   d = args.shape[3]
-  every = {(a, b): True for a in mosaic.QK_TYPES for b in mosaic.PV_TYPES}
+  every = {(a, b): mosaic.ALWAYS for a in mosaic.QK_TYPES
+           for b in mosaic.PV_TYPES}
   defaults = (mosaic.ONE_WARPGROUP_HEAD_DIMS, mosaic.ONE_WARPGROUP_OPERANDS)
   settings = (("one", ((d,), every)), ("two", ((), {})))
   calls, checks = api_calls_per_setting(

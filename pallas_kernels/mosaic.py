@@ -152,24 +152,42 @@ GRID_HEADS_INNER = True
 # (``benchmarks/block_scale_prefetch.py`` times the choices).
 PREFETCH_BLOCK_SCALES = True
 # Where a CTA is one warpgroup by default (:class:`MosaicParams`): at head
-# dim 64, for the operand types listed, on causal calls too where True.  At
-# 64 such a CTA needs 44-76 KB of shared memory, so two to four share an SM.
-# Measured end to end on the H100 (docs/design.md, "One warpgroup per
-# CTA"): fp8 9% faster causal or not, full INT8 7% faster non-causal and 3%
-# slower causal; sage, half-INT8, the FMHA and fp32 moved within 3%, PASA
-# lost 8-12%.
+# dim 64, for the operand types listed, on the calls named.  At 64 such a
+# CTA needs 44-76 KB of shared memory, so two to four share an SM if its
+# registers let them.  Measured end to end on the H100 (docs/design.md,
+# "One warpgroup per CTA"): fp8 9% faster causal or not, full INT8 7%
+# faster non-causal and 3% slower causal; PASA lost 8-12%.  sage (int8 QK,
+# fp8 PV) and half-INT8 (fp16 PV) need 206-210 registers with the masked
+# step (two CTAs an SM, within 3% of two warpgroups) and 168 without: on
+# calls without one, 13% and 6% faster kernels.  The FMHA and fp32 moved
+# within 3%.
 ONE_WARPGROUP_HEAD_DIMS = (64,)
-ONE_WARPGROUP_OPERANDS = {("fp8", "fp8"): True, ("int8", "int8"): False}
+ALWAYS, NON_CAUSAL, NO_MASKED_STEP = "always", "non-causal", "no masked step"
+ONE_WARPGROUP_OPERANDS = {("fp8", "fp8"): ALWAYS, ("int8", "int8"): NON_CAUSAL,
+                          ("int8", "fp8"): NO_MASKED_STEP,
+                          ("int8", "fp16"): NO_MASKED_STEP}
 
 
-def default_warpgroups(qk: str, pv: str, head_dim: int,
-                       is_causal: bool) -> int:
+def default_warpgroups(qk: str, pv: str, head_dim: int, is_causal: bool,
+                       masked_steps: bool = True) -> int:
   """The CTA's consumer warpgroups (:class:`MosaicParams`) for a call whose
-  tiles have ``head_dim`` channels."""
-  causal_too = ONE_WARPGROUP_OPERANDS.get((qk, pv))
-  one = (head_dim in ONE_WARPGROUP_HEAD_DIMS and causal_too is not None
-         and (causal_too or not is_causal))
+  tiles have ``head_dim`` channels; ``masked_steps``: whether its kernel
+  has the masked step (:func:`has_masked_steps`)."""
+  when = ONE_WARPGROUP_OPERANDS.get((qk, pv))
+  one = head_dim in ONE_WARPGROUP_HEAD_DIMS and (
+      when == ALWAYS or (when == NON_CAUSAL and not is_causal)
+      or (when == NO_MASKED_STEP and not masked_steps))
   return 1 if one else 2
+
+
+def has_masked_steps(all_keys: bool, is_causal: bool, index_mask,
+                     s_len: int, block_k: int) -> bool:
+  """Whether the kernel needs its masked step: unless every query row sees
+  every key (no key lengths, not causal, no index mask) and the keys fill
+  whole blocks.  Without it the kernel holds one step, whose registers are
+  fewer (168 against 206-210 for sage's one-warpgroup kernel at D=64)."""
+  return not (all_keys and not is_causal and index_mask is None
+              and s_len % block_k == 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -479,10 +497,10 @@ def _log_sum_exp(m, l, empty, *, pv):
 
 
 def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
-            block_q, block_k, stages, warpgroups, group, c_scale, pasa_inva,
-            pasa_running, pasa_state_dtype, f16_scores, has_shifted,
-            has_segments, has_qk_scales, k_scale_per_block, has_qbias,
-            bias_rows, has_vbs, prefetch_block_scales,
+            block_q, block_k, stages, warpgroups, masked_steps, group,
+            c_scale, pasa_inva, pasa_running, pasa_state_dtype, f16_scores,
+            has_shifted, has_segments, has_qk_scales, k_scale_per_block,
+            has_qbias, bias_rows, has_vbs, prefetch_block_scales,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
             exact_exponent, runtime_exponent, return_lse, return_row_amax,
@@ -963,12 +981,18 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         step = functools.partial(kv_step, exact_exponent=exact_exponent)
         masked_step = functools.partial(step, masked=True)
         ahead = block_scales(lo) if prefetch_block_scales else ()
-        carry = lax.fori_loop(lo, full_lo, masked_step,
-                              (acc, m_i, l_i, pasa_state, ahead))
-        carry = lax.fori_loop(full_lo, full_hi,
-                              functools.partial(step, masked=False), carry)
-        acc_out, m_out, l_out, *_ = lax.fori_loop(full_hi, hi, masked_step,
-                                                  carry)
+        if masked_steps:
+          carry = lax.fori_loop(lo, full_lo, masked_step,
+                                (acc, m_i, l_i, pasa_state, ahead))
+          carry = lax.fori_loop(full_lo, full_hi,
+                                functools.partial(step, masked=False), carry)
+          acc_out, m_out, l_out, *_ = lax.fori_loop(full_hi, hi, masked_step,
+                                                    carry)
+        else:   # every row sees every key of [lo, hi): no masked step in
+          # the kernel, whose registers it would otherwise set
+          acc_out, m_out, l_out, *_ = lax.fori_loop(
+              lo, hi, functools.partial(step, masked=False),
+              (acc, m_i, l_i, pasa_state, ahead))
         if return_lse and exact_exponent:  # m is in the units of s
           m_out = (m_out.astype(f32) * exp_factor).astype(m_out.dtype)
         return acc_out, m_out, l_out
@@ -1128,7 +1152,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     q: ``[B, T, N, D]``; k: ``[B, S, K, D]`` (float16/bfloat16 for
       ``qk="fp16"``, int8 or float8_e4m3fn otherwise); v: ``[B, S, K, D]``
       float16/bfloat16 (``pv="fp16"``) or ``[B, K, D, S]`` float8_e4m3fn /
-      int8 (``pv="fp8"`` / ``"int8"``, ``"uint8"``); kv_lens int32 ``[B]``.
+      int8 (``pv="fp8"`` / ``"int8"``, ``"uint8"``); kv_lens int32 ``[B]``,
+      or None for every key: a non-causal call with no index mask and S a
+      multiple of the key block then compiles no masked step.
     scale: the softmax scale (``qk="fp16"``); q_scale ``[B, T, N]`` (times
       ``scale * log2 e``) and k_scale ``[B, S, K]`` float32 for 8-bit QK,
       or instead of k_scale one K scale per key block, k_block_scale
@@ -1187,6 +1213,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
+  all_keys = kv_lens is None
+  if all_keys:
+    kv_lens = jnp.full((b,), s_len, jnp.int32)
   if d > HEAD_DIMS[-1]:
     raise ValueError(f"the Mosaic kernel takes head dims up to "
                      f"{HEAD_DIMS[-1]}, got {d}")
@@ -1196,7 +1225,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      f"{PV_TYPES}, got {qk!r}, {pv!r}")
   params = params or MosaicParams()
   bq, bk = params.block_q, params.block_k
-  wgs = (default_warpgroups(qk, pv, d_tile, is_causal)
+  masked_steps = has_masked_steps(all_keys, is_causal, index_mask, s_len,
+                                  bk)
+  wgs = (default_warpgroups(qk, pv, d_tile, is_causal, masked_steps)
          if params.warpgroups is None else params.warpgroups)
   if wgs not in (1, 2):
     raise ValueError(f"warpgroups must be 1 or 2, got {wgs}")
@@ -1286,7 +1317,8 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   k_scale_per_block = has_qk_scales and k_block_scale is not None
   kernel = functools.partial(
       _kernel, qk=qk, pv=pv, block_q=bq, block_k=bk,
-      stages=params.stages, warpgroups=wgs, group=n // nk,
+      stages=params.stages, warpgroups=wgs, masked_steps=masked_steps,
+      group=n // nk,
       c_scale=float(pasa_exp_scale if pasa else scale or 1.0) * LOG2E,
       pasa_inva=float(pasa_inva) if pasa else None,
       pasa_running=bool(pasa_running),

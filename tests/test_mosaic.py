@@ -877,7 +877,8 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
                 key_value_seq_lengths=jnp.asarray([200, 170], jnp.int32)),
            dict(is_causal=False, local_window_size=(70, 20),
                 q_segment_ids=q_seg, kv_segment_ids=kv_seg)]
-  every = {(a, c): True for a in mosaic.QK_TYPES for c in mosaic.PV_TYPES}
+  every = {(a, c): mosaic.ALWAYS for a in mosaic.QK_TYPES
+           for c in mosaic.PV_TYPES}
   outs = {}
   for setting, (dims, operands) in {"one": ((d,), every),
                                     "two": ((), {})}.items():
