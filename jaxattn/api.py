@@ -248,16 +248,19 @@ def _dense(mask, kv_lens, index_mask, *, n, t, s, is_causal):
 
 def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
              implementation, scale, is_causal, config, with_lse,
-             output_lse=False):
+             output_lse=False, all_keys=False):
   """The method's output in the query dtype, and with ``with_lse`` the
   float32 log-sum-exp ``[B, T, N]`` (:mod:`jaxattn.grad`: the kernel's own
   where it has one, else that of the float32 scores).  ``output_lse``:
   the normalizer of the returned output where the kernel has it
   (``Adapter.run_output_lse``: the quantized scores'), for merging
-  partial outputs; no gradient takes that one."""
+  partial outputs; no gradient takes that one.  ``all_keys``: the call
+  has no key lengths (``kv_lens`` holds S), which the adapters that take
+  it (:attr:`Adapter.all_keys`) are told by ``kv_lens=None``."""
   backend = BACKENDS[implementation]
   adapter = backend.ADAPTERS[method]
   static = dict(scale=scale, is_causal=is_causal, config=config)
+  run_lens = None if all_keys and adapter.all_keys else kv_lens
   if index_mask is not None and not adapter.index_mask:
     mask = _dense(mask, kv_lens, index_mask, n=q.shape[2], t=q.shape[1],
                   s=k.shape[1], is_causal=is_causal)
@@ -271,12 +274,12 @@ def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
   if output_lse and adapter.run_output_lse is not None:
     run_lse = adapter.run_output_lse
   if with_lse and run_lse is not None:
-    out, lse = run_lse(q, k, v, bias, mask, kv_lens, **static)
+    out, lse = run_lse(q, k, v, bias, mask, run_lens, **static)
     return out.astype(q.dtype), grad.as_residual(lse.transpose(0, 2, 1))
   run = adapter.run
   if methods.get(method).confine_nonfinite and not adapter.confines_nonfinite:
     run = functools.partial(nonfinite.confined, adapter.run)
-  out = run(q, k, v, bias, mask, kv_lens, **static)
+  out = run(q, k, v, bias, mask, run_lens, **static)
   if isinstance(out, tuple):  # e.g. (int8 output, its scale): returned as is
     return out, None
   if not with_lse:
@@ -289,14 +292,15 @@ def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
 
 @functools.partial(jax.jit, static_argnames=(
     "method", "implementation", "scale", "is_causal", "config",
-    "return_residual"))
+    "return_residual", "all_keys"))
 def _attention(q, k, v, bias, mask, kv_lens, index_mask, *, method,
                implementation, scale, is_causal, config,
-               return_residual=False):
+               return_residual=False, all_keys=False):
   """The method's forward, with the straight-through backward of
-  :mod:`jaxattn.grad` as its VJP (cuDNN's where it takes the call)."""
+  :mod:`jaxattn.grad` as its VJP (cuDNN's where it takes the call);
+  ``all_keys``: the call has no key lengths."""
   static = dict(method=method, implementation=implementation, scale=scale,
-                is_causal=is_causal, config=config)
+                is_causal=is_causal, config=config, all_keys=all_keys)
   if getattr(config, "return_int8", False):   # an int8 output: no gradient
     return _forward(q, k, v, bias, mask, kv_lens, index_mask,
                     with_lse=False, **static)[0]
@@ -433,7 +437,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
   out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
                    method=method, implementation=impl, scale=scale,
                    is_causal=bool(is_causal), config=config,
-                   return_residual=bool(return_residual))
+                   return_residual=bool(return_residual),
+                   all_keys=key_value_seq_lengths is None)
   if unbatched:  # drop the batch axis again (not from a scalar scale)
     if return_residual:
       out = (out[0][0], out[1][0])

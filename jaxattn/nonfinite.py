@@ -147,13 +147,14 @@ def confined(run, q, k, v, bias, mask, kv_lens, *, is_causal,
   """``run(q, k, v, bias, mask, kv_lens, is_causal=..., **kwargs)`` on the
   inputs with NaN/Inf set to 0, NaN in the rows they reach: one XLA pass
   over Q, K and V (the backends whose kernels flag non-finite rows
-  themselves need none)."""
+  themselves need none).  ``kv_lens`` None: every key."""
   bad_q = row_flags(q)
   bad_kv = row_flags(k) | row_flags(v)
   if index_mask is not None:
     kwargs["index_mask"] = index_mask
   out = run(finite(q), finite(k), finite(v), bias, mask, kv_lens,
             is_causal=is_causal, **kwargs)
-  return poison(out, rows_reached(bad_q, bad_kv, mask, kv_lens,
+  lens = base.kv_lengths(kv_lens, q.shape[0], k.shape[1])
+  return poison(out, rows_reached(bad_q, bad_kv, mask, lens,
                                   is_causal=is_causal, q_shape=q.shape,
                                   index_mask=index_mask))

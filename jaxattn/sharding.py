@@ -250,7 +250,8 @@ def _ring_takes(bias, mask, index_mask, axis_name):
 
 def _forward_ring(q, k, v, bias, mask, kv_lens, index_mask, *, axis_name,
                   forward, method, implementation, scale, is_causal, config,
-                  with_lse):
+                  with_lse, all_keys=False):
+  del all_keys   # a ring step sees a shard of the keys, as lengths
   _ring_takes(bias, mask, index_mask, axis_name)
   out, lse = ring.ring_forward(q, k, v, kv_lens, ring.Options(
       axis_name=axis_name, is_causal=is_causal, layout="contiguous",

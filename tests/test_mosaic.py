@@ -896,3 +896,47 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
     assert np.isnan(out).any() and np.isfinite(out).any()   # (the Inf key)
     for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(two)):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@pytest.mark.parametrize("method", ["sage", "fp8", "fp32"])
+def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
+    method, monkeypatch):
+  """A call without key lengths reaches the kernel as ``kv_lens=None``:
+  non-causal with whole key blocks, it compiles no masked step (and sage
+  at D=64 runs one warpgroup, ``default_warpgroups``), with the bits, NaN
+  rows and log-sum-exp of the call given full lengths; causal, or with
+  keys beyond the last whole block, it keeps the masked step."""
+  from pallas_kernels import mosaic
+  kernels = []
+  kernel = mosaic._kernel
+
+  def spy(*args, **kwargs):
+    kernels.append((kwargs["masked_steps"], kwargs["warpgroups"]))
+    return kernel(*args, **kwargs)
+  monkeypatch.setattr(mosaic, "_kernel", spy)
+  jax.clear_caches()   # (each call traced here, where the spy sees it)
+  b, t, s, n, d = 1, 150, 256, 2, 64
+  kq, kk, kv = jax.random.split(jax.random.key(12), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
+  k = (jax.random.normal(kk, (b, s, n, d), jnp.float16) + 0.5).at[
+      0, 9, 1, 3].set(jnp.nan)
+  v = jax.random.normal(kv, (b, s, n, d), jnp.float16)
+  full = jnp.full((b,), s, jnp.int32)
+
+  def call(kv_lens, keys=s, is_causal=False):
+    kernels.clear()
+    out = jaxattn.dot_product_attention(
+        q, k[:, :keys], v[:, :keys], method=method, implementation="mosaic",
+        block_k=128, is_causal=is_causal, key_value_seq_lengths=kv_lens,
+        return_residual=True)
+    return jax.tree.map(np.asarray, out), kernels[:]
+  without, built = call(None)
+  assert built == [(False, 1 if method in ("sage", "fp8") else 2)]
+  given, built = call(full)
+  assert [m for m, _ in built] == [True]
+  out = without[0].astype(np.float32)
+  assert np.isnan(out[:, :, 1]).all() and np.isfinite(out[:, :, 0]).all()
+  for x, y in zip(without, given):
+    np.testing.assert_array_equal(x, y)
+  assert [m for m, _ in call(None, is_causal=True)[1]] == [True]
+  assert [m for m, _ in call(None, keys=200)[1]] == [True]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from jaxattn import nonfinite
+from jaxattn import base, nonfinite
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +96,11 @@ class Adapter:
   method's scores), the normalizer of the output it returns.  Merging
   partial outputs (the ring's steps) needs that one; no gradient uses it,
   as it is not float attention's.
+
+  ``all_keys``: ``run`` (and ``run_lse``, ``run_output_lse``) take
+  ``kv_lens=None`` for a call without key lengths, whose every key is
+  seen, a fact fixed at trace time: the Mosaic kernel then compiles no
+  masked step on a call that needs none.
   """
   run: Callable[..., Any]
   check: Callable[[Call], None] = _accepts
@@ -107,6 +112,7 @@ class Adapter:
   index_mask: bool = False
   segment_scales: bool = False
   defaults: tuple = ()
+  all_keys: bool = False
 
 
 def with_defaults(adapter: Adapter, config, options, masked: bool = False,
@@ -122,17 +128,21 @@ def with_defaults(adapter: Adapter, config, options, masked: bool = False,
 
 
 def two_stage(prepare, kernel, check=_accepts, defaults=(),
-              kernel_lse: bool = False, kernel_nan_rows: bool = False
-              ) -> Adapter:
+              kernel_lse: bool = False, kernel_nan_rows: bool = False,
+              all_keys: bool = False) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
   dtype with NaN in the rows a non-finite input reaches.  ``kernel_lse``:
   ``kernel`` takes ``return_lse`` (its log-sum-exp ``[B, N, T]``), which
   makes ``run_output_lse``.  ``kernel_nan_rows``: ``kernel`` takes
   ``nan_rows`` (bool ``[B, T, N]``) and writes those rows as NaN itself,
-  which saves a pass over the output."""
+  which saves a pass over the output.  ``all_keys``: ``kernel`` takes
+  ``kv_lens=None`` for every key (:attr:`Adapter.all_keys`)."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None, return_lse=False):
+    kernel_lens = kv_lens
+    if kv_lens is None:
+      kv_lens = base.kv_lengths(None, q.shape[0], k.shape[1])
     segments = (None if index_mask is None or index_mask.q_segments is None
                 else (index_mask.q_segments, index_mask.kv_segments))
     ops = prepare(q, k, v, kv_lens, scale=scale, config=config,
@@ -145,7 +155,7 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
         is_causal=is_causal, q_shape=q.shape, index_mask=index_mask)
     # (the row scaling is a pass over the output anyway: NaN joins it)
     in_kernel = kernel_nan_rows and not row_scaled
-    out = kernel(ops, kv_lens, bias, mask, is_causal=is_causal,
+    out = kernel(ops, kernel_lens, bias, mask, is_causal=is_causal,
                  config=config,
                  out_dtype=jnp.float32 if row_scaled else q.dtype,
                  index_mask=index_mask,
@@ -167,6 +177,7 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
     return out, jnp.where(reached.transpose(0, 2, 1), jnp.nan, lse)
   return Adapter(run=run, check=check, prepare=prepare, kernel=kernel,
                  confines_nonfinite=True, index_mask=True, defaults=defaults,
+                 all_keys=all_keys,
                  run_output_lse=(functools.partial(run, return_lse=True)
                                  if kernel_lse else None))
 

@@ -19,6 +19,9 @@ The kernel takes head dims up to 128 (others than 64 and 128 zero-padded
 to the next), no bias or mask, and keys in blocks of 64 or 128 (or 256 where K and V
 are 8-bit); its tiles are fixed, so it refuses the Triton kernels' knobs
 (``tile_q``, ``num_warps``, ``num_stages``) rather than ignoring them.
+A call without key lengths reaches the kernel as ``kv_lens=None``
+(:attr:`jaxattn.backends.Adapter.all_keys`; not PASA, not the FMHA), so
+that a non-causal call without an index mask compiles no masked step.
 """
 from __future__ import annotations
 
@@ -318,22 +321,22 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
 ADAPTERS = {
     "fp32": Adapter(run=_fp32, check=_check_fp32,
                     run_lse=functools.partial(_fp32, return_lse=True),
-                    index_mask=True),
+                    index_mask=True, all_keys=True),
     "fp16_fp32": Adapter(run=_fp16_fp32, check=_check_common,
-                         index_mask=True),
+                         index_mask=True, all_keys=True),
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
                     index_mask=True),
     # 128-key blocks unless asked otherwise: SageAttention2's sm90 block,
     # and faster here at the same error (docs/design.md)
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage, defaults=(("block_k", 128),),
-                      kernel_lse=True, kernel_nan_rows=True),
+                      kernel_lse=True, kernel_nan_rows=True, all_keys=True),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
                       check=_check_common, defaults=_int8_defaults,
-                      kernel_lse=True, kernel_nan_rows=True),
+                      kernel_lse=True, kernel_nan_rows=True, all_keys=True),
     "fp8": two_stage(functools.partial(_prepare, "fp8"), _kernel,
                      check=_check_fp8, defaults=_fp8_defaults,
-                     kernel_lse=True, kernel_nan_rows=True),
+                     kernel_lse=True, kernel_nan_rows=True, all_keys=True),
     "fmha_int8": Adapter(run=_fmha, check=_check_common, index_mask=True,
                          confines_nonfinite=True),
 }
