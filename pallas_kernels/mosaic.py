@@ -490,7 +490,11 @@ def _log_sum_exp(m, l, empty, *, pv):
   f32 = jnp.float32
   m = m.astype(f32)
   unit = {"fp8": FP8_MAX, "int8": 127.0}.get(pv, 1.0)
-  lse = m * math.log(2.0) + jnp.log(jnp.where(empty, 1.0, l.astype(f32)))
+  # (the product rounded on its own: whether the compiler fuses it into
+  # the add must not depend on the rest of the kernel, so that kernels
+  # with and without masked steps give the same bits)
+  lse = (lax.optimization_barrier(m * math.log(2.0))
+         + jnp.log(jnp.where(empty, 1.0, l.astype(f32))))
   if unit != 1.0:
     lse = lse - math.log(unit)
   return jnp.where(empty, -jnp.inf, lse)
@@ -752,10 +756,20 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           s = s + lax.broadcast_in_dim(qb, s.shape, [1])
         visible = None
         if masked:
+          # A thread's columns are 8 i + its lane's part (two values). The
+          # constants 8 i are compared with the row's bounds less that part,
+          # so no register holds a column index: compared as whole indices,
+          # the 32 distinct columns stayed live through the loop (sage with
+          # one warpgroup at D=64: 208 registers against 168, two CTAs per
+          # SM instead of three; docs/design.md, "The masked step's
+          # registers").
           cols = plgpu.broadcasted_iota(jnp.int32, (bq, bk), 1,
-                                        layout=plgpu.Layout.WGMMA) + j * bk
-          visible = ((cols >= lax.broadcast_in_dim(first_key, s.shape, [0]))
-                     & (cols <= lax.broadcast_in_dim(last_key, s.shape, [0])))
+                                        layout=plgpu.Layout.WGMMA)
+          lane = cols & 7
+          eights = cols - lane
+          bound = lambda x: lax.broadcast_in_dim(x - j * bk, s.shape, [0])
+          visible = ((eights >= bound(first_key) - lane)
+                     & (eights <= bound(last_key) - lane))
           if has_segments:
             k_seg = loads["k_seg"]()
             visible = visible & (
