@@ -6,9 +6,9 @@ in alternating rounds against cuDNN bfloat16:
   MOSAIC_GPU_DUMP_PTXAS=1 python benchmarks/no_masked_step.py OUT.json
       [--shape B,S,N,D] [--methods sage2-8b,int8_half,fp8]
 
-The record behind ``ONE_WARPGROUP_OPERANDS``'s "no masked step" entries
-(sage and half-INT8 at D=64: 168 registers without the step, 206-210
-with it; docs/design.md, "One warpgroup per CTA").  Checks that every
+Sage and half-INT8 at D=64 with one warpgroup needed 168 registers without
+the step and 206-210 with it, until the step compared constants
+(docs/design.md, "The masked step's registers").  Checks that every
 variant gives the first one's bits.
 """
 import functools

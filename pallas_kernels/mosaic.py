@@ -152,31 +152,25 @@ GRID_HEADS_INNER = True
 # (``benchmarks/block_scale_prefetch.py`` times the choices).
 PREFETCH_BLOCK_SCALES = True
 # Where a CTA is one warpgroup by default (:class:`MosaicParams`): at head
-# dim 64, for the operand types listed, on the calls named.  At 64 such a
-# CTA needs 44-76 KB of shared memory, so two to four share an SM if its
-# registers let them.  Measured end to end on the H100 (docs/design.md,
-# "One warpgroup per CTA"): fp8 9% faster causal or not, full INT8 7%
-# faster non-causal and 3% slower causal; PASA lost 8-12%.  sage (int8 QK,
-# fp8 PV) and half-INT8 (fp16 PV) need 206-210 registers with the masked
-# step (two CTAs an SM, within 3% of two warpgroups) and 168 without: on
-# calls without one, 13% and 6% faster kernels.  The FMHA and fp32 moved
-# within 3%.
+# dim 64, for the operand types listed.  At 64 such a CTA needs 44-76 KB of
+# shared memory, so two to four share an SM if its registers let them.
+# fp8 ran 9% faster end to end on the H100 (docs/design.md, "One warpgroup
+# per CTA").  The int8-QK kernels (sage, half-INT8, full INT8, the FMHA)
+# need 168 registers since the masked step compares constants
+# ("The masked step's registers"; 206-210 before, two CTAs an SM) and ran
+# 6-14% faster causal on the H200.  float16 operands (fp32, PASA) keep two:
+# PASA lost 8-12% with one, fp32 tied.
 ONE_WARPGROUP_HEAD_DIMS = (64,)
-ALWAYS, NON_CAUSAL, NO_MASKED_STEP = "always", "non-causal", "no masked step"
-ONE_WARPGROUP_OPERANDS = {("fp8", "fp8"): ALWAYS, ("int8", "int8"): NON_CAUSAL,
-                          ("int8", "fp8"): NO_MASKED_STEP,
-                          ("int8", "fp16"): NO_MASKED_STEP}
+ONE_WARPGROUP_OPERANDS = frozenset({("fp8", "fp8"), ("int8", "fp8"),
+                                    ("int8", "fp16"), ("int8", "int8"),
+                                    ("int8", "uint8")})
 
 
-def default_warpgroups(qk: str, pv: str, head_dim: int, is_causal: bool,
-                       masked_steps: bool = True) -> int:
+def default_warpgroups(qk: str, pv: str, head_dim: int) -> int:
   """The CTA's consumer warpgroups (:class:`MosaicParams`) for a call whose
-  tiles have ``head_dim`` channels; ``masked_steps``: whether its kernel
-  has the masked step (:func:`has_masked_steps`)."""
-  when = ONE_WARPGROUP_OPERANDS.get((qk, pv))
-  one = head_dim in ONE_WARPGROUP_HEAD_DIMS and (
-      when == ALWAYS or (when == NON_CAUSAL and not is_causal)
-      or (when == NO_MASKED_STEP and not masked_steps))
+  tiles have ``head_dim`` channels and whose operands are ``qk``, ``pv``."""
+  one = (head_dim in ONE_WARPGROUP_HEAD_DIMS
+         and (qk, pv) in ONE_WARPGROUP_OPERANDS)
   return 1 if one else 2
 
 
@@ -185,7 +179,7 @@ def has_masked_steps(all_keys: bool, is_causal: bool, index_mask,
   """Whether the kernel needs its masked step: unless every query row sees
   every key (no key lengths, not causal, no index mask) and the keys fill
   whole blocks.  Without it the kernel holds one step, whose registers are
-  fewer (168 against 206-210 for sage's one-warpgroup kernel at D=64)."""
+  fewer."""
   return not (all_keys and not is_causal and index_mask is None
               and s_len % block_k == 0)
 
@@ -1241,7 +1235,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bq, bk = params.block_q, params.block_k
   masked_steps = has_masked_steps(all_keys, is_causal, index_mask, s_len,
                                   bk)
-  wgs = (default_warpgroups(qk, pv, d_tile, is_causal, masked_steps)
+  wgs = (default_warpgroups(qk, pv, d_tile)
          if params.warpgroups is None else params.warpgroups)
   if wgs not in (1, 2):
     raise ValueError(f"warpgroups must be 1 or 2, got {wgs}")

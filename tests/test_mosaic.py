@@ -877,15 +877,14 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
                 key_value_seq_lengths=jnp.asarray([200, 170], jnp.int32)),
            dict(is_causal=False, local_window_size=(70, 20),
                 q_segment_ids=q_seg, kv_segment_ids=kv_seg)]
-  every = {(a, c): mosaic.ALWAYS for a in mosaic.QK_TYPES
-           for c in mosaic.PV_TYPES}
+  every = {(a, c) for a in mosaic.QK_TYPES for c in mosaic.PV_TYPES}
   outs = {}
   for setting, (dims, operands) in {"one": ((d,), every),
-                                    "two": ((), {})}.items():
+                                    "two": ((), frozenset())}.items():
     monkeypatch.setattr(mosaic, "ONE_WARPGROUP_HEAD_DIMS", dims)
     monkeypatch.setattr(mosaic, "ONE_WARPGROUP_OPERANDS", operands)
     jax.clear_caches()
-    assert mosaic.default_warpgroups("fp16", "fp16", d, True) == (
+    assert mosaic.default_warpgroups("fp16", "fp16", d) == (
         1 if setting == "one" else 2)
     outs[setting] = [jaxattn.dot_product_attention(
         q, k, v, method=method, implementation="mosaic", block_k=64,
@@ -902,8 +901,8 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
 def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
     method, monkeypatch):
   """A call without key lengths reaches the kernel as ``kv_lens=None``:
-  non-causal with whole key blocks, it compiles no masked step (and sage
-  at D=64 runs one warpgroup, ``default_warpgroups``), with the bits, NaN
+  non-causal with whole key blocks, it compiles no masked step (sage and
+  fp8 at D=64 run one warpgroup either way), with the bits, NaN
   rows and log-sum-exp of the call given full lengths; causal, or with
   keys beyond the last whole block, it keeps the masked step."""
   from pallas_kernels import mosaic
@@ -930,13 +929,14 @@ def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
         block_k=128, is_causal=is_causal, key_value_seq_lengths=kv_lens,
         return_residual=True)
     return jax.tree.map(np.asarray, out), kernels[:]
+  wgs = 1 if method in ("sage", "fp8") else 2
   without, built = call(None)
-  assert built == [(False, 1 if method in ("sage", "fp8") else 2)]
+  assert built == [(False, wgs)]
   given, built = call(full)
-  assert [m for m, _ in built] == [True]
+  assert built == [(True, wgs)]
   out = without[0].astype(np.float32)
   assert np.isnan(out[:, :, 1]).all() and np.isfinite(out[:, :, 0]).all()
   for x, y in zip(without, given):
     np.testing.assert_array_equal(x, y)
-  assert [m for m, _ in call(None, is_causal=True)[1]] == [True]
+  assert call(None, is_causal=True)[1] == [(True, wgs)]
   assert [m for m, _ in call(None, keys=200)[1]] == [True]
