@@ -30,10 +30,12 @@ from jaxattn.tuning import (api_calls_per_setting, benchmark_args,
 from jaxattn.backends import mosaic as mosaic_backend
 from pallas_kernels import mosaic
 
-METHODS = {"fp32": ("fp32", {}), "pasa": ("pasa", {}),
+METHODS = {"fp32": ("fp32", {}), "fp32_bk64": ("fp32", {"block_k": 64}),
+           "pasa": ("pasa", {}),
            "sage2-8b": ("sage", {}), "int8_full": ("int8", {}),
            "int8_half": ("int8", {"pv_dtype": "fp16"}),
-           "fmha_int8": ("fmha_int8", {}), "fp8": ("fp8", {})}
+           "fmha_int8": ("fmha_int8", {}), "fp8": ("fp8", {}),
+           "fp8_bk128": ("fp8", {"block_k": 128})}
 
 
 def main():

@@ -158,19 +158,25 @@ PREFETCH_BLOCK_SCALES = True
 # per CTA").  The int8-QK kernels (sage, half-INT8, full INT8, the FMHA)
 # need 168 registers since the masked step compares constants
 # ("The masked step's registers"; 206-210 before, two CTAs an SM) and ran
-# 6-14% faster causal on the H200.  float16 operands (fp32, PASA) keep two:
-# PASA lost 8-12% with one, fp32 tied.
+# 6-14% faster causal on the H200.  float16 operands (fp32, PASA) keep two
+# (PASA lost 8-12% with one, fp32 tied), except fp32 on packed calls
+# (segment ids: many short CTAs), 15-18% faster with one on the H200.
 ONE_WARPGROUP_HEAD_DIMS = (64,)
 ONE_WARPGROUP_OPERANDS = frozenset({("fp8", "fp8"), ("int8", "fp8"),
                                     ("int8", "fp16"), ("int8", "int8"),
                                     ("int8", "uint8")})
+ONE_WARPGROUP_PACKED_OPERANDS = frozenset({("fp16", "fp16")})
 
 
-def default_warpgroups(qk: str, pv: str, head_dim: int) -> int:
+def default_warpgroups(qk: str, pv: str, head_dim: int, *,
+                       segments: bool = False, pasa: bool = False) -> int:
   """The CTA's consumer warpgroups (:class:`MosaicParams`) for a call whose
-  tiles have ``head_dim`` channels and whose operands are ``qk``, ``pv``."""
-  one = (head_dim in ONE_WARPGROUP_HEAD_DIMS
-         and (qk, pv) in ONE_WARPGROUP_OPERANDS)
+  tiles have ``head_dim`` channels and whose operands are ``qk``, ``pv``;
+  ``segments``: the call has segment ids; ``pasa``: PASA's kernel (float16
+  operands that keep two warpgroups)."""
+  operands = ONE_WARPGROUP_OPERANDS | (
+      ONE_WARPGROUP_PACKED_OPERANDS if segments and not pasa else frozenset())
+  one = head_dim in ONE_WARPGROUP_HEAD_DIMS and (qk, pv) in operands
   return 1 if one else 2
 
 
@@ -1235,7 +1241,9 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   bq, bk = params.block_q, params.block_k
   masked_steps = has_masked_steps(all_keys, is_causal, index_mask, s_len,
                                   bk)
-  wgs = (default_warpgroups(qk, pv, d_tile)
+  wgs = (default_warpgroups(
+      qk, pv, d_tile, pasa=pasa_inva is not None,
+      segments=index_mask is not None and index_mask.has_segments)
          if params.warpgroups is None else params.warpgroups)
   if wgs not in (1, 2):
     raise ValueError(f"warpgroups must be 1 or 2, got {wgs}")

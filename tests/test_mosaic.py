@@ -897,6 +897,21 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
       np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_mosaic_warpgroups_by_operands_head_dim_and_segments():
+  """One warpgroup at D=64 for the 8-bit operand pairs, and for float16
+  operands only on packed calls (segment ids) outside PASA; two
+  elsewhere (docs/design.md, "One warpgroup per CTA")."""
+  from pallas_kernels import mosaic
+  wgs = mosaic.default_warpgroups
+  for qk, pv in [("fp8", "fp8"), ("int8", "fp8"), ("int8", "fp16"),
+                 ("int8", "int8"), ("int8", "uint8")]:
+    assert wgs(qk, pv, 64) == 1 and wgs(qk, pv, 128) == 2
+  assert wgs("fp16", "fp16", 64) == 2
+  assert wgs("fp16", "fp16", 64, segments=True) == 1
+  assert wgs("fp16", "fp16", 64, segments=True, pasa=True) == 2
+  assert wgs("fp16", "fp16", 128, segments=True) == 2
+
+
 @pytest.mark.parametrize("method", ["sage", "fp8", "fp32"])
 def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
     method, monkeypatch):
