@@ -45,7 +45,9 @@ _CACHE_PREFIX = "jaxattn-jit-cache-"
 # the same backend and in the same test, a path that a sibling cell runs in
 # CI: a method that is another's kernel with other dtype flags (fp16_fp32
 # and fp16 are fp32's; int8's nonfinite handling is sage's), a quantizer
-# option on a second shape, or a second case of a feature.  The lists are
+# option on a second shape, or a second case of a feature (the window's
+# edge cases are the bounds' code, which fp32's cells run; int8's index
+# masks are sage's kernel).  The lists are
 # checked against what is collected, so a renamed cell fails the run.
 EXTENDED_CELLS = {
     "tests/test_api.py::test_nonfinite_reaches_the_rows_it_reaches_in_float32":
@@ -62,7 +64,10 @@ EXTENDED_CELLS = {
          "fp16_fp32-bottom_right_window_segments",
          "fp16-bottom_right_lengths", "fp16-bottom_right_window_segments",
          "int8-bottom_right_lengths", "fmha_int8-bottom_right_lengths",
-         "fmha_int8-bottom_right_window_segments"],
+         "fmha_int8-bottom_right_window_segments",
+         "int8-packed_causal_window", "int8-bottom_right_window_segments",
+         "sage-window_1", "sage-window_wider_than_sequence",
+         "sage-window_lengths"],
     "tests/test_pallas_quantized.py::test_kernel_matches_reference":
         ["(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage2-4b'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage1'}-0.0001",
@@ -71,6 +76,10 @@ EXTENDED_CELLS = {
          "(1, 200, 300, 2, 2, 64, True)-int8-{'v_granularity': 'block'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
          "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
+    "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two": ["fp8"],
+    "tests/multidevice_cases.py::test_ring_attention_every_method":
+        ["fp16_fp32-reference-False", "fp16-reference-False",
+         "int8-reference-False"],
     "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
         ["fmha_int8"],
     "tests/test_mosaic.py::test_mosaic_pads_head_dims_to_its_tiles":

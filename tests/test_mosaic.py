@@ -111,9 +111,9 @@ def test_mosaic_256_key_blocks_match_reference(method):
   assert not np.array_equal(np.asarray(out), np.asarray(at_128))
 
 
-def test_mosaic_fp8_key_block_follows_the_call():
+def test_mosaic_fp8_key_block_follows_the_call(monkeypatch):
   """Per-tensor fp8 runs 256-key blocks unless segment ids or a window hide
-  key blocks (then 128): each call is the kernel at that block exactly."""
+  key blocks (then 128): each call builds the kernel at that block."""
   assert api.config_for("fp8", "mosaic").block_k == 256
   assert api.config_for("fp8", "mosaic", masked=True).block_k == 128
   assert api.config_for("fp8", "mosaic", granularity="block").block_k == 128
@@ -124,33 +124,48 @@ def test_mosaic_fp8_key_block_follows_the_call():
         _Q[:, :64], _Q[:, :64], _Q[:, :64], method="int8", pv_dtype="fp16",
         block_k=256, implementation="mosaic")
   segs = jnp.asarray(np.repeat(np.arange(3), [70, 150, 80])[None], jnp.int32)
-  q = _Q[:, :300]
-  call = functools.partial(jaxattn.dot_product_attention, q, q, q,
-                           method="fp8", is_causal=True,
-                           implementation="mosaic")
   for block_k, kw in ((256, {}), (128, {"q_segment_ids": segs}),
                       (128, {"local_window_size": (100, 0)})):
-    np.testing.assert_array_equal(np.asarray(call(**kw)),
-                                  np.asarray(call(**kw, block_k=block_k)))
+    built = _kernels_built(monkeypatch, _Q, method="fp8", is_causal=True,
+                           **kw)
+    assert [x["block_k"] for x in built] == [block_k], kw
 
 
 _Q = jax.random.normal(jax.random.key(3), (1, 300, 2, 64), jnp.float16)
 
 
-def test_mosaic_int8_key_block_follows_the_call():
+def _kernels_built(monkeypatch, q, k=None, v=None, **kw):
+  """The keyword arguments of each Mosaic kernel that
+  ``dot_product_attention(q, k, v, implementation="mosaic", **kw)`` builds
+  (k and v default to q), traced only (``jax.eval_shape``: the kernel is
+  not run)."""
+  from pallas_kernels import mosaic
+  built, kernel = [], mosaic._kernel
+
+  def spy(*args, **kwargs):
+    built.append(kwargs)
+    return kernel(*args, **kwargs)
+  with monkeypatch.context() as m:
+    m.setattr(mosaic, "_kernel", spy)
+    jax.eval_shape(lambda *qkv: jaxattn.dot_product_attention(
+        *qkv, implementation="mosaic", **kw),
+                   q, q if k is None else k, q if v is None else v)
+  return built
+
+
+def test_mosaic_int8_key_block_follows_the_call(monkeypatch):
   """Full INT8 (int8 P and V, one V scale per tensor) runs 256-key blocks
   on calls that skip no key block, 128 where causality, segment ids or a
-  window do; a non-causal call is the kernel at 256 keys exactly."""
+  window do: each call builds the kernel at that block."""
   assert api.config_for("int8", "mosaic").block_k == 256
   for kw in (dict(is_causal=True), dict(masked=True), dict(pv_dtype="fp16"),
              dict(v_granularity="block"), dict(block_k=64)):
     assert api.config_for("int8", "mosaic", **kw).block_k == kw.get(
         "block_k", 128), kw
   assert api.config_for("int8", "reference").block_k == 128
-  call = functools.partial(jaxattn.dot_product_attention, _Q, _Q, _Q,
-                           method="int8", implementation="mosaic")
-  np.testing.assert_array_equal(np.asarray(call()),
-                                np.asarray(call(block_k=256)))
+  for block_k, kw in ((256, {}), (128, {"is_causal": True})):
+    built = _kernels_built(monkeypatch, _Q, method="int8", **kw)
+    assert [x["block_k"] for x in built] == [block_k], kw
 
 
 @pytest.mark.slow
@@ -862,19 +877,19 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
   warpgroup refills them itself (sage: the smoothing bias by TMA with K;
   the FMHA: uint8 P and V's column sums)."""
   from pallas_kernels import mosaic
-  b, t, s, n, kh, d = 2, 150, 200, 2, 1, 64
+  b, t, s, n, kh, d = 2, 100, 150, 2, 1, 64
   kq, kk, kv = jax.random.split(jax.random.key(11), 3)
   q = jax.random.normal(kq, (b, t, n, d), jnp.float16)
   k = (jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 0.5).at[
       1, 7, 0, 3].set(jnp.inf)
   v = jax.random.normal(kv, (b, s, kh, d), jnp.float16)
-  q_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [40, 60, 50],
+  q_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [30, 40, 30],
                                 axis=1), jnp.int32)
-  kv_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [90, 60, 50],
+  kv_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 0, 1]], [70, 40, 40],
                                  axis=1), jnp.int32)
   calls = [dict(is_causal=True, causal_alignment="bottom_right",
-                query_seq_lengths=jnp.asarray([150, 120], jnp.int32),
-                key_value_seq_lengths=jnp.asarray([200, 170], jnp.int32)),
+                query_seq_lengths=jnp.asarray([100, 80], jnp.int32),
+                key_value_seq_lengths=jnp.asarray([150, 110], jnp.int32)),
            dict(is_causal=False, local_window_size=(70, 20),
                 q_segment_ids=q_seg, kv_segment_ids=kv_seg)]
   every = {(a, c) for a in mosaic.QK_TYPES for c in mosaic.PV_TYPES}
@@ -937,12 +952,11 @@ def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
   v = jax.random.normal(kv, (b, s, n, d), jnp.float16)
   full = jnp.full((b,), s, jnp.int32)
 
-  def call(kv_lens, keys=s, is_causal=False):
+  def call(kv_lens):
     kernels.clear()
     out = jaxattn.dot_product_attention(
-        q, k[:, :keys], v[:, :keys], method=method, implementation="mosaic",
-        block_k=128, is_causal=is_causal, key_value_seq_lengths=kv_lens,
-        return_residual=True)
+        q, k, v, method=method, implementation="mosaic", block_k=128,
+        key_value_seq_lengths=kv_lens, return_residual=True)
     return jax.tree.map(np.asarray, out), kernels[:]
   wgs = 1 if method in ("sage", "fp8") else 2
   without, built = call(None)
@@ -953,5 +967,10 @@ def test_mosaic_call_without_key_lengths_compiles_no_masked_step(
   assert np.isnan(out[:, :, 1]).all() and np.isfinite(out[:, :, 0]).all()
   for x, y in zip(without, given):
     np.testing.assert_array_equal(x, y)
-  assert call(None, is_causal=True)[1] == [(True, wgs)]
-  assert [m for m, _ in call(None, keys=200)[1]] == [True]
+  # (these two are only traced: the choice is static)
+  masked = lambda keys=s, **kw: [
+      (x["masked_steps"], x["warpgroups"]) for x in _kernels_built(
+          monkeypatch, q, k[:, :keys], v[:, :keys], method=method,
+          block_k=128, **kw)]
+  assert masked(is_causal=True) == [(True, wgs)]
+  assert [m for m, _ in masked(keys=200)] == [True]

@@ -24,7 +24,7 @@ GROUPS = {   # balanced for two workers
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(GROUPS))
-def test_multidevice(group):
+def test_multidevice(group, request):
   env = dict(os.environ)
   # the cases are mostly XLA:CPU compiles: without its optimisations they
   # take a third of the time (ring methods 85 s -> 33 s)
@@ -36,7 +36,9 @@ def test_multidevice(group):
   env["PJRT_NPROC"] = "64"
   result = subprocess.run(
       [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-       "-p", "no:xdist", str(CASES), "-k", GROUPS[group]],
+       "-p", "no:xdist", str(CASES), "-k", GROUPS[group],
+       # (conftest's extended cells: the ring's repeated methods)
+       *(["--extended"] if request.config.getoption("--extended") else [])],
       env=env, capture_output=True, text=True, timeout=900,
       cwd=CASES.parent.parent)
   assert result.returncode == 0, result.stdout[-8000:] + result.stderr[-4000:]
