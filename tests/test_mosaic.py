@@ -915,7 +915,8 @@ def test_mosaic_one_warpgroup_equals_two(method, monkeypatch):
 def test_mosaic_warpgroups_by_operands_head_dim_and_segments():
   """One warpgroup at D=64 for the 8-bit operand pairs, and for float16
   operands only on packed calls (segment ids) outside PASA; two
-  elsewhere (docs/design.md, "One warpgroup per CTA")."""
+  elsewhere (docs/design.md, "One warpgroup per CTA" and "One warpgroup at
+  D=128, and on packed calls")."""
   from pallas_kernels import mosaic
   wgs = mosaic.default_warpgroups
   for qk, pv in [("fp8", "fp8"), ("int8", "fp8"), ("int8", "fp16"),
