@@ -225,6 +225,32 @@ def rounded(x):
   return jax.lax.optimization_barrier(x)
 
 
+# The most bytes of the smoothing bias ``q_m K^T`` (float32 ``[B, N,
+# ceil(T / block_q), S]``, which the kernels read) that one kernel call may
+# hold; a call beyond it runs by chunks of query rows
+# (:func:`query_chunk_rows`).  The bias grows with ``T x S``: 537 MB at
+# 1x16x32768, 17 GB at 1x32x131072 (docs/design.md, "The smoothing bias is
+# held in memory").
+BIAS_BYTES_LIMIT = 1 << 30
+
+
+def query_chunk_rows(q, k, config: SageConfig) -> int | None:
+  """Query rows per chunk for a kernel call on q ``[B, T, N, D]`` and k
+  ``[B, S, K, D]`` whose smoothing bias would pass
+  :data:`BIAS_BYTES_LIMIT`, or None (no bias, or within it).  A chunk is
+  whole blocks of ``block_q`` rows, so every query scale and mean is the
+  unchunked call's; the key and value side does not depend on
+  the queries.  Not for "tensor" granularity (one Q scale over all rows):
+  those calls keep the whole bias."""
+  if not config.smooth_q or config.qk_granularity == "tensor":
+    return None
+  (b, t, n, _), s = q.shape, k.shape[1]
+  per_block = 4 * b * n * s            # bytes of one bias row per head
+  if per_block * -(-t // config.block_q) <= BIAS_BYTES_LIMIT:
+    return None
+  return max(BIAS_BYTES_LIMIT // per_block, 1) * config.block_q
+
+
 def q_group_rows(config: SageConfig, t_pad: int) -> int:
   """Query rows per Q scale of ``config``'s granularity (``t_pad``: the
   padded query length, one group for "tensor")."""

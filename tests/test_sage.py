@@ -15,7 +15,7 @@ import jax.numpy as jnp
 
 import jaxattn
 from jaxattn.metrics import exact_attention as textbook
-from jaxattn import metrics, sage
+from jaxattn import backends, metrics, sage
 
 F32 = np.float32
 GRANULARITIES = ("token", "warp", "block", "tensor")
@@ -490,3 +490,51 @@ def test_choose_precision_picks_8bit_for_the_worst_layers():
   with pytest.raises(ValueError, match="xi_percent"):
     jaxattn.choose_precision(calib, xi_percent=120)
 
+
+
+@pytest.mark.parametrize("implementation", ["mosaic", "triton"])
+def test_calls_beyond_the_bias_limit_run_by_query_chunks(implementation,
+                                                         monkeypatch):
+  """A call whose smoothing bias ``q_m K^T`` would pass
+  ``sage.BIAS_BYTES_LIMIT`` runs by chunks of whole query blocks, each
+  prepared and run as a call of its own: the same bits as one call (output
+  and log-sum-exp), bottom-right causal with query and key lengths, a NaN
+  query element and an Inf key, and with segment ids and a window."""
+  b, t, s, n, d = 2, 256, 200, 2, 64
+  kq, kk, kv = jax.random.split(jax.random.key(5), 3)
+  q = jax.random.normal(kq, (b, t, n, d), jnp.float16).at[0, 5, 1, 3].set(
+      jnp.nan)
+  k = (jax.random.normal(kk, (b, s, n, d), jnp.float16) + 1.0).at[
+      1, 17, 0, 2].set(jnp.inf)
+  v = jax.random.normal(kv, (b, s, n, d), jnp.float16)
+  q_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 1, 1]], [100, 90, 66],
+                                axis=1), jnp.int32)
+  kv_seg = jnp.asarray(np.repeat([[0, 1, 2], [0, 1, 1]], [80, 70, 50],
+                                 axis=1), jnp.int32)
+  calls = [dict(is_causal=True, causal_alignment="bottom_right",
+                query_seq_lengths=jnp.asarray([256, 210], jnp.int32),
+                key_value_seq_lengths=jnp.asarray([200, 170], jnp.int32),
+                return_residual=True),
+           dict(q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+                local_window_size=(100, 30))]
+
+  def run(kw):
+    return jax.tree.map(np.asarray, jaxattn.dot_product_attention(
+        q, k, v, method="sage", implementation=implementation, **kw))
+  whole = [run(kw) for kw in calls]
+  monkeypatch.setattr(sage, "BIAS_BYTES_LIMIT", 4 * b * n * s)  # one block
+  assert sage.query_chunk_rows(q, k, sage.SageConfig()) == 128
+  chunk_rows, by_chunks = [], backends.by_query_chunks
+
+  def spy(run, rows, *args, **kwargs):
+    chunk_rows.append(rows)
+    return by_chunks(run, rows, *args, **kwargs)
+  monkeypatch.setattr(backends, "by_query_chunks", spy)
+  jax.clear_caches()
+  chunked = [run(kw) for kw in calls]
+  jax.clear_caches()
+  assert chunk_rows == [128] * len(calls)
+  assert np.isnan(whole[0][0]).any() and np.isfinite(whole[0][0]).any()
+  for one, parts in zip(whole, chunked):
+    for x, y in zip(jax.tree.leaves(one), jax.tree.leaves(parts)):
+      np.testing.assert_array_equal(x, y)

@@ -21,8 +21,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from jaxattn import base, nonfinite
+from pallas_kernels import common
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,7 +131,7 @@ def with_defaults(adapter: Adapter, config, options, masked: bool = False,
 
 def two_stage(prepare, kernel, check=_accepts, defaults=(),
               kernel_lse: bool = False, kernel_nan_rows: bool = False,
-              all_keys: bool = False) -> Adapter:
+              all_keys: bool = False, query_chunk=None) -> Adapter:
   """An adapter that quantizes (``prepare``, which flags the rows holding
   NaN/Inf) and then runs ``kernel`` on the operands, returning the query
   dtype with NaN in the rows a non-finite input reaches.  ``kernel_lse``:
@@ -137,9 +139,25 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
   makes ``run_output_lse``.  ``kernel_nan_rows``: ``kernel`` takes
   ``nan_rows`` (bool ``[B, T, N]``) and writes those rows as NaN itself,
   which saves a pass over the output.  ``all_keys``: ``kernel`` takes
-  ``kv_lens=None`` for every key (:attr:`Adapter.all_keys`)."""
+  ``kv_lens=None`` for every key (:attr:`Adapter.all_keys`).
+  ``query_chunk(q, k, config)``: query rows per chunk where the operands of
+  the whole call would hold too much (then each chunk is prepared and run
+  as a call of its own: :func:`by_query_chunks`), or None."""
   def run(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           index_mask=None, return_lse=False):
+    rows = query_chunk(q, k, config) if query_chunk is not None else None
+    if rows is not None and rows < q.shape[1]:
+      return by_query_chunks(
+          functools.partial(run_whole, scale=scale, is_causal=is_causal,
+                            config=config, return_lse=return_lse),
+          rows, q, k, v, bias, mask, kv_lens, is_causal=is_causal,
+          index_mask=index_mask, return_lse=return_lse)
+    return run_whole(q, k, v, bias, mask, kv_lens, scale=scale,
+                     is_causal=is_causal, config=config,
+                     index_mask=index_mask, return_lse=return_lse)
+
+  def run_whole(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
+                index_mask=None, return_lse=False):
     kernel_lens = kv_lens
     if kv_lens is None:
       kv_lens = base.kv_lengths(None, q.shape[0], k.shape[1])
@@ -180,6 +198,45 @@ def two_stage(prepare, kernel, check=_accepts, defaults=(),
                  all_keys=all_keys,
                  run_output_lse=(functools.partial(run, return_lse=True)
                                  if kernel_lse else None))
+
+
+def by_query_chunks(run, rows: int, q, k, v, bias, mask, kv_lens, *,
+                    is_causal: bool, index_mask, return_lse: bool):
+  """``run(q, k, v, bias, mask, kv_lens, index_mask=...)`` on blocks of
+  ``rows`` query rows, each as a call of its own, the outputs (and
+  log-sum-exps) joined: query row ``c0 + i`` is the chunk's row ``i``, so
+  its diagonal offset grows by ``c0`` and its query length and segment ids
+  are the chunk's (:class:`pallas_kernels.common.IndexMask`).  A bias or
+  mask ``[..., T, S]`` is sliced with the rows.  Each chunk starts after
+  the one before has its output, so that only one chunk's operands are
+  held at a time."""
+  b, t = q.shape[:2]
+  im = index_mask
+  if im is None and is_causal:
+    im = common.IndexMask()
+  outs = []
+  for c0 in range(0, t, rows):
+    c1 = min(c0 + rows, t)
+    q_rows, k_c, v_c = q[:, c0:c1], k, v
+    if outs:   # one chunk after the other: the chunks are independent, and
+      # XLA would otherwise run every chunk's quantizers first and hold all
+      # their operands at once
+      _, q_rows, k_c, v_c = lax.optimization_barrier(
+          (outs[-1], q_rows, k, v))
+    rows_of = lambda x: (x if x is None or x.shape[-2] != t
+                         else x[..., c0:c1, :])
+    part = None if im is None else dataclasses.replace(
+        im, offsets=(jnp.zeros((b,), jnp.int32) if im.offsets is None
+                     else im.offsets) + c0,
+        q_lens=(None if im.q_lens is None
+                else jnp.clip(im.q_lens - c0, 0, c1 - c0)),
+        q_segments=None if im.q_segments is None else im.q_segments[:, c0:c1])
+    outs.append(run(q_rows, k_c, v_c, rows_of(bias), rows_of(mask), kv_lens,
+                    index_mask=part))
+  if not return_lse:
+    return jnp.concatenate(outs, axis=1)
+  return (jnp.concatenate([o for o, _ in outs], axis=1),
+          jnp.concatenate([l for _, l in outs], axis=2))
 
 
 def _row_dot(q, k_rows):

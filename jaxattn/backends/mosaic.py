@@ -30,7 +30,7 @@ import functools
 import jax.numpy as jnp
 from jax import lax
 
-from jaxattn import base, fmha, nonfinite, operands, pasa
+from jaxattn import base, fmha, nonfinite, operands, pasa, sage
 from jaxattn.backends import Adapter, Call, refuse_options, two_stage
 from pallas_kernels import common, mosaic
 
@@ -330,7 +330,8 @@ ADAPTERS = {
     # and faster here at the same error (docs/design.md)
     "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
                       check=_check_sage, defaults=(("block_k", 128),),
-                      kernel_lse=True, kernel_nan_rows=True, all_keys=True),
+                      kernel_lse=True, kernel_nan_rows=True, all_keys=True,
+                      query_chunk=sage.query_chunk_rows),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel,
                       check=_check_common, defaults=_int8_defaults,
                       kernel_lse=True, kernel_nan_rows=True, all_keys=True),

@@ -23,7 +23,7 @@ import functools
 
 import jax.numpy as jnp
 
-from jaxattn import base, fmha, nonfinite, operands, pasa
+from jaxattn import base, fmha, nonfinite, operands, pasa, sage
 from jaxattn.backends import Adapter, Call, two_stage
 from pallas_kernels import common, flash, key_shift, quantized
 
@@ -161,7 +161,8 @@ ADAPTERS = {
     "pasa": Adapter(run=_pasa, check=_check_pasa, confines_nonfinite=True,
                     run_lse=functools.partial(_pasa, return_lse=True),
                     index_mask=True),
-    "sage": two_stage(functools.partial(_prepare, "sage"), _kernel),
+    "sage": two_stage(functools.partial(_prepare, "sage"), _kernel,
+                      query_chunk=sage.query_chunk_rows),
     "int8": two_stage(functools.partial(_prepare, "int8"), _kernel),
     "fmha_int8": Adapter(run=_fmha, index_mask=True, confines_nonfinite=True),
 }
