@@ -83,7 +83,9 @@ EXTENDED_CELLS = {
         ["fp16_fp32-reference-False", "fp16-reference-False",
          "int8-reference-False"],
     "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
-        ["fmha_int8"],
+        ["fmha_int8", "int8"],
+    "tests/multidevice_cases.py::test_batch_and_head_sharding_is_shard_local":
+        ["reference-fp16", "triton-int8"],
     "tests/test_mosaic.py::test_mosaic_pads_head_dims_to_its_tiles":
         ["fp32-{}-96", "pasa-{}-96"],
     "tests/test_mosaic.py::test_mosaic_interpreted_matches_reference":
