@@ -76,7 +76,8 @@ EXTENDED_CELLS = {
          "(1, 200, 300, 2, 2, 64, True)-int8-{'v_granularity': 'block'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
          "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
-    "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two": ["fp8"],
+    "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two":
+        ["fp8", "fmha_int8"],
     "tests/test_sage.py::test_calls_beyond_the_bias_limit_run_by_query_chunks":
         ["triton"],
     "tests/multidevice_cases.py::test_ring_attention_every_method":
