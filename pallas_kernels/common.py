@@ -170,6 +170,19 @@ class IndexMask:
   def has_segments(self) -> bool:
     return self.q_segments is not None
 
+  def query_rows(self, start: int, stop: int, batch: int) -> "IndexMask":
+    """The mask of query rows ``[start, stop)`` as a call of their own:
+    row ``start + i`` becomes row ``i``, so the diagonal's offset grows by
+    ``start``, and the query lengths and segment ids are those rows'."""
+    offsets = (jnp.zeros((batch,), jnp.int32) if self.offsets is None
+               else self.offsets)
+    return dataclasses.replace(
+        self, offsets=offsets + start,
+        q_lens=(None if self.q_lens is None
+                else jnp.clip(self.q_lens - start, 0, stop - start)),
+        q_segments=(None if self.q_segments is None
+                    else self.q_segments[:, start:stop]))
+
 
 def row_bounds(kv_lens, index_mask: IndexMask | None, *, t: int,
                is_causal: bool):

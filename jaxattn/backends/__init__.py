@@ -206,7 +206,7 @@ def by_query_chunks(run, rows: int, q, k, v, bias, mask, kv_lens, *,
   ``rows`` query rows, each as a call of its own, the outputs (and
   log-sum-exps) joined: query row ``c0 + i`` is the chunk's row ``i``, so
   its diagonal offset grows by ``c0`` and its query length and segment ids
-  are the chunk's (:class:`pallas_kernels.common.IndexMask`).  A bias or
+  are the chunk's (:meth:`pallas_kernels.common.IndexMask.query_rows`).  A bias or
   mask ``[..., T, S]`` is sliced with the rows.  Each chunk starts after
   the one before has its output, so that only one chunk's operands are
   held at a time."""
@@ -225,12 +225,7 @@ def by_query_chunks(run, rows: int, q, k, v, bias, mask, kv_lens, *,
           (outs[-1], q_rows, k, v))
     rows_of = lambda x: (x if x is None or x.shape[-2] != t
                          else x[..., c0:c1, :])
-    part = None if im is None else dataclasses.replace(
-        im, offsets=(jnp.zeros((b,), jnp.int32) if im.offsets is None
-                     else im.offsets) + c0,
-        q_lens=(None if im.q_lens is None
-                else jnp.clip(im.q_lens - c0, 0, c1 - c0)),
-        q_segments=None if im.q_segments is None else im.q_segments[:, c0:c1])
+    part = None if im is None else im.query_rows(c0, c1, b)
     outs.append(run(q_rows, k_c, v_c, rows_of(bias), rows_of(mask), kv_lens,
                     index_mask=part))
   if not return_lse:
