@@ -6,12 +6,13 @@ time and its error, on the GPU, at 2x8192x32x128 float16.
 
 The key pass is timed as the sage method runs it (per 64 rows, the key mean
 subtracted, the non-finite flags on) with each way of forming the bias,
-and without the bias, in rounds of alternating order.  The error is the
+and without the bias, by the GPU time of its kernels
+(:func:`jaxattn.tuning.device_rounds`) in rounds of alternating order.  The error is the
 bias's largest absolute deviation from float64 ``q_m (K - k_mean)^T``,
 over the largest ``|bias|``, on keys with the structure of real models'
 (a per-channel offset and outlier channels).  The run of 2026-11-26
-(``results/2026-11-26_h100_smooth_bias.json``) also timed one TF32 product
-as a control.
+(``results/2026-11-26_h100_smooth_bias.json``, timed from the host) also
+timed 3xTF32, 8 warps and one TF32 product as a control.
 """
 import argparse
 import json
@@ -22,13 +23,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, ".")
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.tuning import device_rounds, time_call  # noqa: E402
 from pallas_kernels import quantizers  # noqa: E402
 
 # (products, num_warps, bias_chunk); None: rows_operand's default chunk
-VARIANTS = {"tf32x3": ("tf32x3", 8, None), "f16x3": ("f16x3", 8, None),
-            "f16x3_w4": ("f16x3", 4, None), "f16x3_c32": ("f16x3", 8, 32),
-            "f16x3_w4_c32": ("f16x3", 4, 32), "no_bias": (None, 4, None)}
+VARIANTS = {"exact_keys_w4": ("exact_keys", 4, None),
+            "exact_keys_w8": ("exact_keys", 8, None),
+            "f16x3_w4": ("f16x3", 4, None), "no_bias": (None, 4, None)}
 
 
 def main():
@@ -53,8 +54,9 @@ def main():
   y = k[:1, :, :4].astype(np.float64) - np.asarray(shift, np.float64)[:1, :, :4]
   ref = np.einsum("bhrd,bshd->bhrs", qm[:1, :4].astype(np.float64), y)
   calls, err = {}, {}
+  default = quantizers.BIAS_PRODUCTS
   for name, (products, warps, chunk) in VARIANTS.items():
-    quantizers.BIAS_PRODUCTS = products or "f16x3"
+    quantizers.BIAS_PRODUCTS = products or default
     jax.clear_caches()
     kw = dict(group=64, dtype=jnp.int8, shift=shift, flag_nonfinite=True,
               block=128, num_warps=warps, bias_chunk=chunk)
@@ -69,23 +71,20 @@ def main():
       err[name] = float(np.abs(bias - ref).max() / np.abs(ref).max())
       print(f"{name:8s} max |bias - float64| / max |bias| = {err[name]:.3e}",
             flush=True)
-  quantizers.BIAS_PRODUCTS = "f16x3"
-  rows = []
-  names = list(VARIANTS)
-  for rnd in range(args.rounds):
-    for name in (names if rnd % 2 == 0 else names[::-1]):
-      t = time_call(calls[name], (x,)) * 1e3
-      rows.append(dict(round=rnd, variant=name, ms=t))
-      print(f"round {rnd} {name:8s} {t:.4f} ms", flush=True)
+  quantizers.BIAS_PRODUCTS = default
+  calls["cast_floor"] = jax.jit(lambda x: x.astype(jnp.int8)).lower(
+      x).compile()
+  rows = device_rounds(calls, (x,), rounds=args.rounds,
+                       log=lambda m: print(m, flush=True))
   cast = time_call(jax.jit(lambda x: x.astype(jnp.int8)), (x,)) * 1e3
   with open(args.out, "w") as f:
     json.dump(dict(device=jax.devices()[0].device_kind, jax=jax.__version__,
                    shape=args.shape, error=err, rows=rows,
-                   cast_floor_ms=cast), f, indent=1)
+                   cast_floor_ms_host=cast), f, indent=1)
   print(f"cast floor {cast:.4f} ms")
-  for name in VARIANTS:
-    ms = [r["ms"] for r in rows if r["variant"] == name]
-    print(f"{name:12s} {' '.join(f'{m:.4f}' for m in ms)} ms  "
+  for name in calls:
+    ms = [r["device_ms"] or float("nan") for r in rows if r["call"] == name]
+    print(f"{name:14s} {' '.join(f'{m:.4f}' for m in ms)} ms (GPU)  "
           f"error {err.get(name, float('nan')):.2e}")
 
 
