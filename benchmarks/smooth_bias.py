@@ -12,7 +12,10 @@ bias's largest absolute deviation from float64 ``q_m (K - k_mean)^T``,
 over the largest ``|bias|``, on keys with the structure of real models'
 (a per-channel offset and outlier channels).  The run of 2026-11-26
 (``results/2026-11-26_h100_smooth_bias.json``, timed from the host) also
-timed 3xTF32, 8 warps and one TF32 product as a control.
+timed one TF32 product as a control; the run of 2026-11-29
+(``results/2026-11-29_h200_smooth_bias.json``, commit 9ae22e6) the keys as
+exact operands (q_m K^T - q_m k_mean, only q_m split), which was no
+faster.
 """
 import argparse
 import json
@@ -27,9 +30,8 @@ from jaxattn.tuning import device_rounds, time_call  # noqa: E402
 from pallas_kernels import quantizers  # noqa: E402
 
 # (products, num_warps, bias_chunk); None: rows_operand's default chunk
-VARIANTS = {"exact_keys_w4": ("exact_keys", 4, None),
-            "exact_keys_w8": ("exact_keys", 8, None),
-            "f16x3_w4": ("f16x3", 4, None), "no_bias": (None, 4, None)}
+VARIANTS = {"f16x3_w4": ("f16x3", 4, None), "f16x3_w8": ("f16x3", 8, None),
+            "tf32x3_w8": ("tf32x3", 8, None), "no_bias": (None, 4, None)}
 
 
 def main():

@@ -302,9 +302,6 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
   elif shift:
     shift_row = shift_ref[...]
 
-  def keep_rows(start, size):   # [size, 1]: the rows below the length
-    return ((first_row + start + jnp.arange(size)) < len_ref[0])[:, None]
-
   def rows(start, size):
     """The shifted rows ``[start, start + size)`` of the tile, their amax
     and (with ``flag_nonfinite``) their flags."""
@@ -312,7 +309,7 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
       x = tile
     else:
       x = x_ref[pl.ds(start, size), :].astype(jnp.float32)
-    keep = keep_rows(start, size)
+    keep = ((first_row + start + jnp.arange(size)) < len_ref[0])[:, None]
 
     def shifted(x):
       y = jnp.where(keep, x, 0.0)
@@ -366,9 +363,7 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
       bad_ref[pl.ds(start, chunk)] = bad
     store(start, y, given() if given_scale else own_scales(amax))
     if bias_chunk:                       # (the whole tile: start = 0)
-      _store_bias(qm_ref, extra_ref[0], y, amax, bias_chunk,
-                  keys=x_ref[...], keep=keep_rows(0, block),
-                  shift_row=shift_row if shift else None)
+      _store_bias(qm_ref, extra_ref[0], y, amax, bias_chunk)
 
   if chunk == block:
     quantize(0)
@@ -379,22 +374,16 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
     jax.lax.fori_loop(0, block // chunk, step, 0)
 
 
-def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk, *, keys, keep,
-                shift_row):
-  """``q_m y^T`` in float32 for the tile's shifted rows ``y`` (row amax
-  ``amax``) into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at
-  a time, formed as :func:`bias_products` says.  ``keys``: the tile as
-  read (``y = keys - shift_row`` on the rows ``keep``, NaN/Inf as 0);
-  ``shift_row``: the key mean ``[D]`` or None."""
-  products = bias_products(keys.dtype)
-  if products == "exact_keys":
-    # y = keys - shift, so q_m y^T = q_m keys^T - q_m shift: the keys are
-    # exact in their 16-bit type, and only q_m needs splitting
-    keys = jnp.where(keep & (jnp.abs(keys) < jnp.inf), keys,
-                     jnp.zeros_like(keys))
-    parts = 2 if keys.dtype == jnp.float16 else 3
-  elif products == "f16x3":
-    y_unit, y_norm = _split16(y, amax, jnp.float16, 2)
+def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk):
+  """``q_m y^T`` in float32 for the tile's rows ``y`` (row amax ``amax``)
+  into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at a time
+  (:data:`BIAS_PRODUCTS`)."""
+  products = BIAS_PRODUCTS
+  if products not in ("f16x3", *_BIAS_PRESETS):
+    raise ValueError(f"BIAS_PRODUCTS must be 'f16x3' or one of "
+                     f"{tuple(_BIAS_PRESETS)}, got {products!r}")
+  if products == "f16x3":
+    y_unit, y_norm = _f16_split(y, amax)
   precision = (jax.lax.Precision.HIGHEST if common.interpret()
                else _BIAS_PRESETS.get(products))
 
@@ -402,16 +391,8 @@ def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk, *, keys, keep,
     at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
     qm = qm_ref[at, :]
     dot = functools.partial(_rows_dot, precision=precision)
-    if products == "exact_keys":
-      q_unit, q_norm = _split16(qm, jnp.abs(qm).max(axis=1), keys.dtype,
-                                parts)
-      unit = functools.reduce(jnp.add, [dot(u, keys) for u in q_unit])
-      bias = unit * q_norm[:, None]
-      if shift_row is not None:
-        bias = bias - (qm * shift_row[None, :]).sum(axis=1)[:, None]
-      bias_ref[at, :] = jnp.where(keep[:, 0][None, :], bias, 0.0)
-    elif products == "f16x3":
-      q_unit, q_norm = _split16(qm, jnp.abs(qm).max(axis=1), jnp.float16, 2)
+    if products == "f16x3":
+      q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
       unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
               + dot(q_unit[1], y_unit[0]))
       bias_ref[at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
@@ -422,34 +403,17 @@ def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk, *, keys, keep,
 
 
 # How the quantizer's key pass forms SageAttention2's bias q_m y^T in
-# float32 on the tensor cores:
-# "exact_keys": where the keys are float16 or bfloat16, q_m K^T - q_m
-#   k_mean, with the keys as they are (exact operands) and only q_m, scaled
-#   into [-1, 1] by its row amax, split into two float16 (three bfloat16)
-#   parts: two products (three), and no per-element split of the tile;
-#   float32 keys take "f16x3";
-# "f16x3": each row of q_m and of the smoothed keys scaled and split into
-#   float16 hi + lo (:func:`_split16`), three products (hi*hi + hi*lo +
-#   lo*hi) at float16's rate;
-# "tf32x3": the same three products in TF32 (Triton's preset), the key pass
-#   0.41 ms against 0.33 for "f16x3" at 2x8192x32x128 on the H100 with 8
-#   warps (0.24 with 4: ``benchmarks/smooth_bias.py``).
+# float32 on the tensor cores: "f16x3", each row scaled into [-1, 1] by its
+# amax and split into float16 hi + lo (:func:`_f16_split`), then three
+# products (hi*hi + hi*lo + lo*hi) at float16's rate; "tf32x3", the same
+# three products in TF32 (Triton's preset), the key pass 0.41 ms against
+# 0.33 at 2x8192x32x128 on the H100 with 8 warps (0.24 with 4:
+# ``benchmarks/smooth_bias.py``; 3xTF32 was the faster on 8 warps, 0.41
+# against 0.52 ms on 4).
 # Triton's IEEE float32 dot runs on the FMA units at a few percent of
 # their peak.
 BIAS_PRODUCTS = "f16x3"
 _BIAS_PRESETS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
-
-
-def bias_products(key_dtype) -> str:
-  """The form of the bias for keys of ``key_dtype`` (:data:`BIAS_PRODUCTS`)."""
-  products = BIAS_PRODUCTS
-  if products not in ("exact_keys", "f16x3", *_BIAS_PRESETS):
-    raise ValueError(f"BIAS_PRODUCTS must be 'exact_keys', 'f16x3' or one of "
-                     f"{tuple(_BIAS_PRESETS)}, got {products!r}")
-  if products == "exact_keys" and jnp.dtype(key_dtype) not in (
-      jnp.float16, jnp.bfloat16):
-    return "f16x3"
-  return products
 
 
 def _rows_dot(a, b, precision):
@@ -463,25 +427,20 @@ def _rows_dot(a, b, precision):
                              precision=precision)
 
 
-def _split16(x, amax, dtype, parts: int):
-  """float32 rows ``x`` as ``amax * sum(parts)``: ``parts`` 16-bit values
-  of ``dtype`` (float16: two hold ``x / amax`` to ``2^-22``; bfloat16:
-  three to ``2^-24``), the first with ``|.| <= 1`` (a row of zeros keeps
-  ``amax = 0``)."""
+def _f16_split(x, amax):
+  """float32 rows ``x`` as ``amax * (hi + lo)``: ``(hi, lo)`` float16 with
+  ``|hi| <= 1`` and ``hi + lo`` within ``2^-22`` of ``x / amax`` (a row of
+  zeros keeps ``amax = 0``)."""
   # (an amax below float32's smallest normal would overflow 1 / amax: such
   # a row's products are below float32's range anyway, so they become 0)
   amax = jnp.where(amax >= np.float32(np.finfo(np.float32).tiny), amax, 0.0)
-  rest = x * common.reciprocal_rn(amax)[:, None]
-  out = []
-  for i in range(parts):
-    p = rest.astype(dtype)
-    if common.interpret():  # XLA would fold f32(f16(rest)) into rest (its
-      # excess precision), which zeroes the next part
-      p = jax.lax.optimization_barrier(p)
-    out.append(p)
-    if i + 1 < parts:
-      rest = rest - p.astype(jnp.float32)
-  return tuple(out), amax
+  unit = x * common.reciprocal_rn(amax)[:, None]
+  hi = unit.astype(jnp.float16)
+  if common.interpret():  # XLA would fold f32(f16(unit)) into unit (its
+    # excess precision), which zeroes lo
+    hi = jax.lax.optimization_barrier(hi)
+  lo = (unit - hi.astype(jnp.float32)).astype(jnp.float16)
+  return (hi, lo), amax
 
 
 def _tile_mean(x, keep, count):
