@@ -1228,8 +1228,6 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
   all_keys = kv_lens is None
-  if all_keys:
-    kv_lens = jnp.full((b,), s_len, jnp.int32)
   if d > HEAD_DIMS[-1]:
     raise ValueError(f"the Mosaic kernel takes head dims up to "
                      f"{HEAD_DIMS[-1]}, got {d}")
@@ -1264,12 +1262,17 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
   else:
     v = pad(pad(v, 3, s_pad), 2, d_tile)
     v = v if p_in_smem or v_keys_ordered else permute_keys(v, axis=3)
-  bounds, ranges, segments = common.index_operands(
-      kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
-      s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-  args = [q, k, v, tile_table(ranges, heaviest_first=HEAVIEST_FIRST,
-                              warpgroups=wgs),
-          common.row_key_ranges(bounds, t_pad=t_pad)]
+  # Without key lengths or traced index arrays the tile table is known at
+  # trace time: a constant, instead of a sort and its small kernels on
+  # every call.
+  with jax.ensure_compile_time_eval():
+    if all_keys:
+      kv_lens = jnp.full((b,), s_len, jnp.int32)
+    bounds, ranges, segments = common.index_operands(
+        kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
+        s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
+    table = tile_table(ranges, heaviest_first=HEAVIEST_FIRST, warpgroups=wgs)
+  args = [q, k, v, table, common.row_key_ranges(bounds, t_pad=t_pad)]
   runtime_exponent = not isinstance(exact_exponent, (bool, np.bool_))
   if runtime_exponent:
     exact_exponent = jnp.asarray(exact_exponent)

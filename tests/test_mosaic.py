@@ -633,6 +633,24 @@ def test_tile_table_lists_every_cta_once_longest_first():
       mosaic.tile_table(uniform, heaviest_first=False))
 
 
+
+@pytest.mark.parametrize("causal,window", [(False, None), (True, (64, 0))])
+def test_tile_table_is_a_constant_without_index_arrays(causal, window):
+  """Without key lengths or index arrays (only static causality and
+  window) the tile table is computed at trace time: the lowered call
+  sorts nothing.  With key lengths as data it is computed per call."""
+  q = jnp.zeros((1, 256, 2, 64), jnp.float16)
+
+  def lowered(*lens):
+    call = lambda q, *lens: jaxattn.dot_product_attention(
+        q, q, q, is_causal=causal, local_window_size=window, method="fp32",
+        implementation="mosaic",
+        key_value_seq_lengths=lens[0] if lens else None)
+    return jax.jit(call).lower(q, *lens).as_text()
+
+  assert "sort" not in lowered()
+  assert "sort" in lowered(jnp.array([200], jnp.int32))
+
 @pytest.mark.slow
 def test_mosaic_output_lse_is_the_kernels_own():
   """``output_lse`` (what the ring's merge takes) is the quantized kernel's
