@@ -29,8 +29,10 @@ logger = logging.getLogger("jaxattn")
 
 
 def _lengths(x, name, b, n):
-  """``x`` as int32 ``[b]`` checked to lie in ``[0, n]`` (where concrete)."""
-  x = jnp.asarray(x)
+  """``x`` as int32 ``[b]`` checked to lie in ``[0, n]`` (where concrete;
+  checked before the conversion, which would wrap 64-bit values)."""
+  if not isinstance(x, jax.core.Tracer):
+    x = np.asarray(x)
   if x.shape != (b,) or not jnp.issubdtype(x.dtype, jnp.integer):
     raise ValueError(f"{name} must be an integer array of shape ({b},), got "
                      f"{x.dtype}{x.shape}")
@@ -39,7 +41,7 @@ def _lengths(x, name, b, n):
     if lo < 0 or hi > n:
       raise ValueError(f"{name} must lie in [0, {n}], got values in "
                        f"[{lo}, {hi}]")
-  return jnp.clip(x, 0, n).astype(jnp.int32)
+  return jnp.clip(jnp.asarray(x), 0, n).astype(jnp.int32)
 
 
 def window_pair(local_window_size):
@@ -81,7 +83,10 @@ def build_index_mask(query, key, kv_lens, *, query_seq_lengths,
     q_lens = _lengths(query_seq_lengths, "query_seq_lengths", b, t)
     features.append("query_seq_lengths")
   if local_window_size is not None:
-    window = window_pair(local_window_size)
+    # a side of t + s or more hides no key: clamped, so that any int fits
+    # the kernels' int32 bounds
+    window = tuple(None if w is None else min(w, t + s)
+                   for w in window_pair(local_window_size))
     features.append("local_window_size")
   if causal_alignment == "bottom_right":
     # query row i's diagonal is key i + kv_len - q_len (its last row sees
@@ -208,6 +213,7 @@ def select_backend(implementation: str | None, call: Call) -> str:
       if adapter is None or not backend.native():
         continue
       try:
+        _check_dtypes(name, call)
         _check_index_mask(name, adapter, call)
         adapter.check(call)
       except NotImplementedError as e:
@@ -222,9 +228,45 @@ def select_backend(implementation: str | None, call: Call) -> str:
     raise NotImplementedError(
         f"method {call.method!r} has no {backend.TITLE} kernel; use "
         f"implementation={' or '.join(map(repr, others))}")
+  _check_dtypes(implementation, call)
   _check_index_mask(implementation, adapter, call)
   adapter.check(call)
   return implementation
+
+
+def _positive_scale(query, scale):
+  """``(query, scale)`` with the scale a positive float (default
+  ``1/sqrt(H)``): the kernels take the row max of the scaled scores from
+  the unscaled ones, which needs ``scale > 0``.  The scores stay the same:
+  a negative scale negates the queries instead (exact, also through the
+  symmetric quantizers), and a zero scale zeroes them with a scale of 1
+  (``0 * q``: every finite score is 0, and NaN/Inf stay NaN as in
+  ``0 * (q . k)``).  A NaN or infinite scale is refused."""
+  if scale is None:
+    return query, base.default_scale(query.shape[-1])
+  try:
+    scale = float(scale)
+  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
+    raise TypeError(f"scale must be a real number known at trace time, got "
+                    f"{scale!r}") from e
+  if not np.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  if scale < 0:
+    return -query, -scale
+  if scale == 0:
+    return query * jnp.zeros((), query.dtype), 1.0
+  return query, scale
+
+
+def _check_dtypes(name, call: Call) -> None:
+  """NotImplementedError for float64 inputs (with x64 on; else jax takes
+  them as float32) on a kernel backend: the kernels compute in 32 bits and
+  less, the reference in float64."""
+  dtypes = {jax.dtypes.canonicalize_dtype(x.dtype) for x in (call.q, call.k)}
+  if name != "reference" and jnp.dtype(jnp.float64) in dtypes:
+    raise NotImplementedError(
+        f"the {BACKENDS[name].TITLE} kernels take no float64 inputs; "
+        "implementation='reference' computes in float64")
 
 
 def _check_index_mask(name, adapter, call: Call) -> None:
@@ -257,6 +299,16 @@ def _forward(q, k, v, bias, mask, kv_lens, index_mask=None, *, method,
   partial outputs; no gradient takes that one.  ``all_keys``: the call
   has no key lengths (``kv_lens`` holds S), which the adapters that take
   it (:attr:`Adapter.all_keys`) are told by ``kv_lens=None``."""
+  if implementation != "reference" and jax.config.read("jax_enable_x64"):
+    # The kernels and their wrappers compute indices and scales in 32 bits;
+    # with x64 on, jnp would make them 64-bit (float64 inputs go to the
+    # reference: :func:`_check_dtypes`).
+    with jax.enable_x64(False):
+      return _forward(q, k, v, bias, mask, kv_lens, index_mask,
+                      method=method, implementation=implementation,
+                      scale=scale, is_causal=is_causal, config=config,
+                      with_lse=with_lse, output_lse=output_lse,
+                      all_keys=all_keys)
   backend = BACKENDS[implementation]
   adapter = backend.ADAPTERS[method]
   static = dict(scale=scale, is_causal=is_causal, config=config)
@@ -368,7 +420,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
     bias: float, broadcastable to ``[B, N, T, S]``, added to the scaled
       scores.
     mask: bool, broadcastable to ``[B, N, T, S]``; True keeps a score.
-    scale: softmax scale, default ``1/sqrt(H)``.
+    scale: softmax scale, default ``1/sqrt(H)``: any finite real (a
+      negative one negates the scores, zero weighs the visible keys
+      equally); NaN or inf raise ValueError.
     is_causal: top-left aligned causal mask (query ``i`` sees keys
       ``0..i``), as ``jax.nn.dot_product_attention``.
     query_seq_lengths: int ``[B]``: query rows at or beyond it are padding;
@@ -433,7 +487,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *,
                    causal_alignment=causal_alignment))
   config = backend_config(method, impl, config, options,
                           skips_key_blocks(index_mask), bool(is_causal))
-  scale = base.default_scale(query.shape[-1]) if scale is None else float(scale)
+  query, scale = _positive_scale(query, scale)
   out = _attention(query, key, value, bias, mask, kv_lens, index_mask,
                    method=method, implementation=impl, scale=scale,
                    is_causal=bool(is_causal), config=config,
@@ -602,7 +656,7 @@ def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
       raise ValueError("key_value_seq_lengths must be an integer array of "
                        f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
     kv_lens = jnp.clip(kv_lens, 0, n * c).astype(jnp.int32)
-  scale = base.default_scale(q.shape[-1]) if scale is None else float(scale)
+  q, scale = _positive_scale(q, scale)
   out, lse = ring.attention(
       q, k, v, kv_lens, axis_name=axis_name, is_causal=is_causal,
       layout=layout, return_residual=True,

@@ -258,6 +258,14 @@ BAD = [
     ("bad_beta", _bad(method="pasa", beta=1.0), ValueError,
      r"beta must be in \[0, 1\)"),
     ("bad_block_k", _bad(block_k=48), ValueError, "power of two"),
+    ("scale_nan", _bad(scale=float("nan")), ValueError,
+     "scale must be finite, got nan"),
+    ("scale_inf", _bad(method="pasa", scale=-float("inf")), ValueError,
+     "scale must be finite, got -inf"),
+    ("scale_str", _bad(scale="a"), TypeError, "scale must be a real number"),
+    # a 64-bit length is checked before int32 would wrap it to 5
+    ("kv_len_wraps", _bad(key_value_seq_lengths=np.array([2**32 + 5, 3])),
+     ValueError, r"must lie in \[0, 8\], got values in \[3, 4294967301\]"),
 ]
 
 
@@ -268,6 +276,65 @@ def test_bad_input(kwargs, exc, match):
   q, k, v = (kwargs.pop(n) for n in ("query", "key", "value"))
   with pytest.raises(exc, match=match):
     jaxattn.dot_product_attention(q, k, v, **kwargs)
+
+
+@pytest.mark.parametrize("impl", ["triton", "mosaic"])
+def test_zero_and_negative_scales_on_the_kernels(impl):
+  """jax.nn takes any finite scale.  The kernels need a positive one (the
+  row max of the scaled scores): a negative scale negates the queries and a
+  zero scale zeroes them, so both match float32 jax.nn (a zero scale
+  weighs the visible keys equally; before, the kernels returned NaN rows
+  or the wrong rows here)."""
+  q, k, v = (jax.random.normal(x, (1, 40, 2, 64), F32).astype(jnp.float16)
+             for x in jax.random.split(jax.random.key(3), 3))
+  for scale, causal in ((0.0, True), (-0.125, False)):
+    want = jax.nn.dot_product_attention(
+        *(x.astype(F32) for x in (q, k, v)), scale=scale, is_causal=causal)
+    got = jaxattn.dot_product_attention(q, k, v, scale=scale,
+                                        is_causal=causal, implementation=impl)
+    np.testing.assert_allclose(np.asarray(got, F32), np.asarray(want),
+                               atol=2e-3)
+
+
+def test_mosaic_fp32_takes_keys_of_another_dtype():
+  """Mosaic's fp32 kernel multiplies 16-bit operands of one dtype: keys
+  and values of another are cast to the query's, as Triton's kernel does
+  (before, the call failed inside Mosaic on bfloat16 queries and float16
+  keys)."""
+  q, k, v = (jax.random.normal(x, (1, 40, 1, 64), F32).astype(jnp.float16)
+             for x in jax.random.split(jax.random.key(5), 3))
+  bf = jnp.bfloat16
+  got = jaxattn.dot_product_attention(q.astype(bf), k, v,
+                                      implementation="mosaic")
+  want = jaxattn.dot_product_attention(q.astype(bf), k.astype(bf),
+                                       v.astype(bf), implementation="mosaic")
+  assert got.dtype == bf
+  np.testing.assert_array_equal(np.asarray(got, F32), np.asarray(want, F32))
+
+
+def test_kernels_under_x64_and_window_sides_beyond_int32():
+  """With ``jax_enable_x64`` on, the kernels run on 16-bit inputs (they
+  trace with x64 off) and give the x64-off bits; float64 inputs go to the
+  reference.  A window side past int32 is clamped (it hides no key)."""
+  q, k, v = (jax.random.normal(x, (1, 40, 2, 64), F32).astype(jnp.float16)
+             for x in jax.random.split(jax.random.key(4), 3))
+  lens = jnp.array([33], jnp.int32)
+  call = functools.partial(jaxattn.dot_product_attention, q, k, v,
+                           method="sage", implementation="triton",
+                           key_value_seq_lengths=lens)
+  want = call()
+  with jax.enable_x64(True):
+    got = call()
+    f64 = [x.astype(jnp.float64) for x in (q, k, v)]
+    assert jaxattn.dot_product_attention(*f64).dtype == jnp.float64
+    with pytest.raises(NotImplementedError, match="take no float64 inputs"):
+      jaxattn.dot_product_attention(*f64, implementation="triton")
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+  wide = jaxattn.dot_product_attention(q, k, v, local_window_size=(10**12, 1),
+                                       implementation="reference")
+  one_sided = jaxattn.dot_product_attention(
+      q, k, v, local_window_size=(None, 1), implementation="reference")
+  np.testing.assert_array_equal(np.asarray(wide), np.asarray(one_sided))
 
 
 def test_unknown_method_lists_every_method():

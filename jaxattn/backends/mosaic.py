@@ -181,8 +181,9 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   del bias, mask  # refused by the check
   params = mosaic.MosaicParams(block_k=config.block_k or 128)
   kernel = functools.partial(
-      mosaic.mosaic_attention, q, k, v.astype(q.dtype), kv_lens, qk="fp16",
-      pv="fp16", is_causal=is_causal, scale=scale, params=params,
+      mosaic.mosaic_attention, q, k.astype(q.dtype), v.astype(q.dtype),
+      kv_lens, qk="fp16", pv="fp16", is_causal=is_causal, scale=scale,
+      params=params,
       f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
       index_mask=index_mask)
   if not (f16_scores or FP32_SCORE_BOUND):
