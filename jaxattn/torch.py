@@ -306,7 +306,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   _jax_device_kind(q.device)
   kv_lens = None
   if key_value_seq_lengths is not None:
-    kv_lens = np.asarray(torch.as_tensor(key_value_seq_lengths).cpu())
+    kv_lens = torch.as_tensor(key_value_seq_lengths)
+    if (kv_lens.dtype.is_floating_point or kv_lens.dtype.is_complex
+        or kv_lens.dtype == torch.bool):
+      raise TypeError("key_value_seq_lengths must hold integers, got "
+                      f"{kv_lens.dtype}")
+    kv_lens = np.asarray(kv_lens.cpu())
     s = k.shape[2 if tensor_layout == "HND" else 1]
     if kv_lens.size and (kv_lens.min() < 0 or kv_lens.max() > s):
       raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "

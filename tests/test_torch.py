@@ -315,6 +315,9 @@ def test_errors():
     jt.attention(q.to(torch.int8), k, v)
   with pytest.raises(TypeError, match="float64 but jax_enable_x64 is off"):
     jt.attention(q.double(), k, v)
+  with pytest.raises(TypeError, match="key_value_seq_lengths must hold "
+                     "integers, got torch.float32"):
+    jt.attention(q, k, v, key_value_seq_lengths=torch.tensor([3.7] * B))
   with pytest.raises(TypeError, match="attn_mask must be bool, float16, "
                      "bfloat16, float32 or float8, got torch.int32"):
     jt.attention(q, k, v, attn_mask=torch.ones(T, S, dtype=torch.int32))
