@@ -242,15 +242,7 @@ def _positive_scale(query, scale):
   symmetric quantizers), and a zero scale zeroes them with a scale of 1
   (``0 * q``: every finite score is 0, and NaN/Inf stay NaN as in
   ``0 * (q . k)``).  A NaN or infinite scale is refused."""
-  if scale is None:
-    return query, base.default_scale(query.shape[-1])
-  try:
-    scale = float(scale)
-  except (TypeError, ValueError, jax.errors.ConcretizationTypeError) as e:
-    raise TypeError(f"scale must be a real number known at trace time, got "
-                    f"{scale!r}") from e
-  if not np.isfinite(scale):
-    raise ValueError(f"scale must be finite, got {scale}")
+  scale = base.softmax_scale(scale, query.shape[-1])
   if scale < 0:
     return -query, -scale
   if scale == 0:

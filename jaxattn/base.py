@@ -274,5 +274,20 @@ def default_scale(head_dim: int) -> float:
   return 1.0 / math.sqrt(head_dim)
 
 
+def softmax_scale(scale, head_dim: int) -> float:
+  """``scale`` as a finite float (None: :func:`default_scale`); TypeError
+  for a value not known at trace time, ValueError for NaN or inf."""
+  if scale is None:
+    return default_scale(head_dim)
+  try:
+    scale = float(scale)
+  except (TypeError, ValueError) as e:  # (a tracer's error is a TypeError)
+    raise TypeError(f"scale must be a real number known at trace time, got "
+                    f"{scale!r}") from e
+  if not math.isfinite(scale):
+    raise ValueError(f"scale must be finite, got {scale}")
+  return scale
+
+
 def as_numpy_dtype(dtype) -> np.dtype:
   return np.dtype(jnp.dtype(dtype))

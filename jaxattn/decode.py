@@ -479,7 +479,8 @@ def decode_attention(q, cache: KVCache, lengths, *, method: str = "fp32",
     lengths: int ``[B]``: each row's keys, the new tokens included.  New
       token ``t`` sees keys ``0 .. lengths - T + t``.
     method: "fp32", "pasa", "int8", "fp8" or "sage".
-    scale: softmax scale, default ``1 / sqrt(D)``.
+    scale: softmax scale, default ``1 / sqrt(D)``; finite (ValueError
+      otherwise).
     implementation: None (the Triton kernel on a GPU, else the reference),
       "triton" (interpret mode without a GPU) or "reference".
     **options: :class:`DecodeConfig` (``block_k``, ``num_splits``,
@@ -493,7 +494,7 @@ def decode_attention(q, cache: KVCache, lengths, *, method: str = "fp32",
   """
   config = DecodeConfig.from_options(**options)
   lengths = _check_call(q, cache, lengths, method, implementation)
-  scale = base.default_scale(q.shape[-1]) if scale is None else float(scale)
+  scale = base.softmax_scale(scale, q.shape[-1])
   if implementation is None:
     implementation = "triton" if common.has_gpu() else "reference"
   return _decode(q, cache, lengths, method=method, scale=scale,
@@ -506,12 +507,15 @@ def _decode(q, cache, lengths, *, method, scale, implementation, config):
   if implementation == "reference":
     return reference(q, cache, lengths, method=method,
                      scale=scale).astype(q.dtype)
-  return kernel.decode_attention(
-      q, cache.k, cache.v, lengths, cache.k_scale, cache.v_scale,
-      scale=scale, compute_dtype=compute_dtype(method, cache),
-      f16_scores=method == "pasa", block_k=config.block_k,
-      num_splits=config.num_splits, num_warps=config.num_warps,
-      num_stages=config.num_stages, out_dtype=q.dtype)
+  # (the kernel's wrapper computes its indices in 32 bits: traced with x64
+  # off, as the API's kernels are)
+  with jax.enable_x64(False):
+    return kernel.decode_attention(
+        q, cache.k, cache.v, lengths, cache.k_scale, cache.v_scale,
+        scale=scale, compute_dtype=compute_dtype(method, cache),
+        f16_scores=method == "pasa", block_k=config.block_k,
+        num_splits=config.num_splits, num_warps=config.num_warps,
+        num_stages=config.num_stages, out_dtype=q.dtype)
 
 
 __all__ = ["KVCache", "append", "decode_attention", "reference",

@@ -2,6 +2,8 @@
 decode kernel (interpret mode here) against each method's reference, the
 accuracy of the 8-bit caches against float32 attention, the errors, and a
 greedy generation loop through the Flax drop-in."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,6 +220,25 @@ def test_errors():
   with pytest.raises(TypeError, match="unknown option"):
     jaxattn.decode_attention(q, cache, jnp.array([3]), method="int8",
                              tile_q=16)
+  with pytest.raises(ValueError, match="scale must be finite, got nan"):
+    jaxattn.decode_attention(q, cache, jnp.array([3]), method="int8",
+                             scale=float("nan"))
+
+
+def test_kernel_under_x64():
+  """With ``jax_enable_x64`` on, the decode kernel (traced with x64 off)
+  gives the bits it gives with x64 off (it failed on int32/int64 mixes)."""
+  b, s, nk, d = 1, 64, 2, 64
+  cache = decode.KVCache.create(b, s, nk, d, method="int8")
+  cache = decode.append(cache, _normal(1, (b, 50, nk, d)),
+                        _normal(2, (b, 50, nk, d)), jnp.zeros(b, jnp.int32))
+  call = functools.partial(jaxattn.decode_attention, _normal(3, (b, 2, 4, d)),
+                           cache, jnp.array([50]), method="int8",
+                           implementation="triton")
+  want = call()
+  with jax.enable_x64(True):
+    got = call()
+  np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
 def test_split_choice(monkeypatch):
