@@ -306,12 +306,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
   _jax_device_kind(q.device)
   kv_lens = None
   if key_value_seq_lengths is not None:
-    kv_lens = torch.as_tensor(key_value_seq_lengths)
-    if (kv_lens.dtype.is_floating_point or kv_lens.dtype.is_complex
-        or kv_lens.dtype == torch.bool):
-      raise TypeError("key_value_seq_lengths must hold integers, got "
-                      f"{kv_lens.dtype}")
-    kv_lens = np.asarray(kv_lens.cpu())
+    kv_lens = np.asarray(_integer_tensor(
+        key_value_seq_lengths, "key_value_seq_lengths").cpu())
     s = k.shape[2 if tensor_layout == "HND" else 1]
     if kv_lens.size and (kv_lens.min() < 0 or kv_lens.max() > s):
       raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
@@ -354,6 +350,15 @@ def _encode(options) -> str:
   return json.dumps(options, sort_keys=True)
 
 
+def _integer_tensor(x, name: str, device=None) -> torch.Tensor:
+  """``x`` as a tensor (on ``device``), TypeError unless it holds
+  integers."""
+  x = torch.as_tensor(x, device=device)
+  if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
+    raise TypeError(f"{name} must hold integers, got {x.dtype}")
+  return x
+
+
 def _index_tensors(q, layout, query_seq_lengths, q_segment_ids,
                    kv_segment_ids):
   """The index arrays as int32 tensors on ``q``'s device (or None)."""
@@ -362,11 +367,8 @@ def _index_tensors(q, layout, query_seq_lengths, q_segment_ids,
                   ("q_segment_ids", q_segment_ids),
                   ("kv_segment_ids", kv_segment_ids)):
     if x is not None:
-      x = torch.as_tensor(x, device=q.device)
-      if x.dtype.is_floating_point or x.dtype.is_complex or \
-          x.dtype == torch.bool:
-        raise TypeError(f"{name} must hold integers, got {x.dtype}")
-      x = x.to(torch.int32).contiguous()
+      x = _integer_tensor(x, name, device=q.device).to(
+          torch.int32).contiguous()
     out.append(x)
   # checked here as key_value_seq_lengths are, except under torch.compile
   # (no data-dependent branch there): jax clips them to [0, T]
