@@ -642,12 +642,8 @@ def ring_attention(query, key, value, *, axis_name, method: str = "fp32",
   if key_value_seq_lengths is None:
     kv_lens = jnp.full((b,), n * c, jnp.int32)
   else:
-    kv_lens = jnp.asarray(key_value_seq_lengths)
-    if kv_lens.shape != (b,) or not jnp.issubdtype(kv_lens.dtype,
-                                                   jnp.integer):
-      raise ValueError("key_value_seq_lengths must be an integer array of "
-                       f"shape ({b},), got {kv_lens.dtype}{kv_lens.shape}")
-    kv_lens = jnp.clip(kv_lens, 0, n * c).astype(jnp.int32)
+    kv_lens = _lengths(key_value_seq_lengths, "key_value_seq_lengths", b,
+                       n * c)
   q, scale = _positive_scale(q, scale)
   out, lse = ring.attention(
       q, k, v, kv_lens, axis_name=axis_name, is_causal=is_causal,
