@@ -21,12 +21,6 @@ from jax import lax
 from jaxattn import base
 from pallas_kernels import common
 
-# The rows a NaN/Inf reaches under an index mask without segment ids by a
-# prefix count over each row's key range, instead of the dense mask under a
-# ``lax.cond`` (which the host waits for on every call).  Kept for the A/B
-# (``benchmarks/exponent_switch.py --part stack --window``).
-REACHED_BY_RANGES = True
-
 
 def finite(x):
   """``x`` with NaN/Inf elements set to 0."""
@@ -95,7 +89,7 @@ def _rows_reached_indexed(bad_q, bad_kv, mask, kv_lens, index_mask, *,
   finite (a ``lax.cond``, whose predicate the host waits for), so that
   finite inputs pay one reduction."""
   b, t, n = q_shape[:3]
-  if REACHED_BY_RANGES and mask is None and not index_mask.has_segments:
+  if mask is None and not index_mask.has_segments:
     return _rows_reached_in_ranges(bad_q, bad_kv, kv_lens, index_mask,
                                    is_causal=is_causal, q_shape=q_shape)
   any_bad = bad_kv.any() if bad_q is None else bad_kv.any() | bad_q.any()

@@ -114,43 +114,6 @@ HEAD_DIMS = (64, 128)
 # error passes float16 P's precision, and at ~1e9 it overflows or zeroes P.
 # Callers whose scores may exceed it take exact_exponent=True.
 FUSED_EXPONENT_LIMIT = 2.0 ** 12
-# The wgmma products ("qk": the 8-bit S, "pv": the per-block P V of 8-bit
-# PV) that accumulate into registers zeroed next to their wgmma on the GPU
-# (:func:`_fresh_accumulator`); the others into a splat of zeros: float16
-# S (no faster that way) and PASA's per-block float16 P V (not measured).
-# ``benchmarks/fresh_accumulators.py`` times the choices.
-FRESH_ACCUMULATORS = ("qk", "pv")
-# Integer P (int8, and uint8 as P - 128) rounded by one float add in round-
-# down mode (:func:`_floor_to_8bit`) on the GPU, instead of a float -> int
-# conversion and, for int8's row sum, one back: both conversions issue on
-# the same quarter-rate unit as exp2.  ``benchmarks/p_rounding.py`` times it.
-ROUND_P_BY_ADD = True
-# The int32 scores of 8-bit QK converted to float32 by an integer add and a
-# float subtract (:func:`_int_to_float_by_add`) instead of ``cvt.rn.f32.s32``
-# on that same unit.  Off: one more instruction per score, which measured
-# 1-4% slower end to end (``benchmarks/score_conversion.py``, docs/design.md).
-INT_SCORES_BY_ADD = False
-# The per-key-block values read from global memory (the FMHA's V column
-# sums, a V scale per block, PASA's block weight, a masked step's key
-# segment ids) loaded at the start of the step, so that their latency
-# hides behind the QK wgmma, instead of where they are used, after a wgmma
-# wait.  ``benchmarks/tile_schedule.py`` times the choices.
-EARLY_BLOCK_LOADS = True
-# The CTAs launched longest first (:func:`tile_table`), so that the short
-# tiles fill the last wave.  ``benchmarks/tile_schedule.py`` times it.
-HEAVIEST_FIRST = True
-# The heads as the grid's faster axis: the CTAs of one query tile run
-# together for every head.  Measured faster on the H100 than one head's
-# tiles together, although those share K and V in L2
-# (``benchmarks/tile_schedule.py``); :func:`_grid` takes the tiles as the
-# faster axis anyway beyond 65535 table rows (the grid's y limit).
-GRID_HEADS_INNER = True
-# The per-block scales of K and V (``k_block_scale``, ``v_block_scale``)
-# loaded one step ahead and carried into the next, instead of at the start
-# of the step that uses them: fp8's kernel (one K scale per block) ran about
-# 3% faster end to end; the V scale's kernels did not move
-# (``benchmarks/block_scale_prefetch.py`` times the choices).
-PREFETCH_BLOCK_SCALES = True
 # Where a CTA is one warpgroup by default (:class:`MosaicParams`): at head
 # dim 64, for the operand types listed.  At 64 such a CTA needs 44-76 KB of
 # shared memory, so two to four share an SM if its registers let them.
@@ -342,16 +305,6 @@ def _floor_to_8bit(t, offset, *, by_add):
   return floor(t)
 
 
-def _int_to_float_by_add(s):
-  """float32 ``s`` of int32 ``s`` with ``|s| < 2^22`` (every 8-bit QK
-  product with D <= 256), exactly: the bits of ``s + 1.5 * 2^23`` are those
-  of the integer plus the constant's, since the sum's ulp is 1."""
-  magic = np.float32(1.5 * 2.0 ** 23)
-  y = lax.bitcast_convert_type(s + jnp.int32(magic.view(np.int32)),
-                               jnp.float32)
-  return y - magic
-
-
 def _smem(shape, dtype):
   """A swizzled shared-memory tile ``shape`` whose minor dim is the wgmma
   contraction dim (or the N dim of a 16-bit B)."""
@@ -508,8 +461,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
             out_dtype,
             exact_exponent, runtime_exponent, return_lse, return_row_amax,
-            fresh_accumulators,
-            round_p_by_add, early_block_loads, int_scores_by_add):
+            fresh_accumulators, round_p_by_add):
   """Refs: q ``[B, T, N, D]``, k ``[B, S, K, D]``, v ``[B, S, K, D]`` (16-bit
   PV) or ``[B, K, D, S]`` (8-bit PV); tile_ref int32 ``[B * T_pad /
   (W block_q), 2 + 4 W]`` (W = ``warpgroups``), one row per query tile,
@@ -679,29 +631,27 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       plgpu.barrier_wait(own(q_bars))
 
       def block_loads(j, masked):
-        """Block j's values in global memory, as functions that give them:
-        loaded here with ``early_block_loads``, else where called."""
+        """Block j's values in global memory, loaded here at the start of
+        the step so that their latency hides behind the QK wgmma (not where
+        they are used, after a wgmma wait), as functions that give them."""
         thunks = {}
         if has_colsum:
           thunks["colsum"] = lambda: plgpu.load(
               colsum_ref.at[batch, kv_head, j], layout=col_layout,
               optimized=False)
-        if has_vbs and not prefetch_block_scales:
-          thunks["v_scale"] = lambda: vbs_ref[batch, kv_head, j]
         thunks["weight"] = ((lambda: shifted_ref[batch, kv_head, j])
                             if has_shifted else (lambda: None))
         if masked and has_segments:
           thunks["k_seg"] = lambda: plgpu.load(
               kseg_ref.at[batch, pl.ds(j * bk, bk)], layout=col_layout,
               optimized=False)
-        if early_block_loads:   # (the default x=f() loads here)
-          return {name: (lambda x=f(): x) for name, f in thunks.items()}
-        return thunks
+        return {name: (lambda x=f(): x) for name, f in thunks.items()}
 
       def block_scales(j):
-        """Key block j's K and V scales (:data:`PREFETCH_BLOCK_SCALES`;
-        float32 0 for those the call has not), j clamped into the arrays
-        (the last step loads one past its block)."""
+        """Key block j's K and V scales (float32 0 for those the call has
+        not), j clamped into the arrays (the last step loads one past its
+        block).  Loaded one step ahead and carried into the next: fp8's
+        kernel (one K scale per block) ran about 3% faster end to end."""
         def at(ref):
           return ref[batch, kv_head, jnp.minimum(j, ref.shape[-1] - 1)]
         zero = jnp.float32(0.0)
@@ -714,8 +664,6 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
         ``loads``: :func:`block_loads`; ``k_scale``: the block's one K
         scale (``k_scale_per_block``)."""
         slot = slot_of(j)
-        if int_scores_by_add and s.dtype == jnp.int32:
-          s = _int_to_float_by_add(s)
         # Per-key rows (K scales, the smoothing bias) arrive with K by TMA.
         if has_qk_scales and not k_scale_per_block:
           plgpu.barrier_wait(ks_bars.at[slot])
@@ -895,8 +843,8 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           if has_vbs:
             loads["v_scale"] = lambda: v_scale
           ahead = block_scales(j + 1)
-        else:   # (issued before the QK wait, so that the latency hides)
-          k_block = ks_ref[batch, kv_head, j] if k_scale_per_block else None
+        else:   # no per-block scale
+          k_block = None
 
         def qk_scope(acc_ref):
           plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
@@ -1116,34 +1064,34 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                 **(dict(collective_axes="wg") if producer else {}))
 
 
-def tile_table(ranges, *, heaviest_first: bool, warpgroups: int = 2):
+def tile_table(ranges, *, warpgroups: int = 2):
   """int32 ``[B * T_pad / (W block_q), 2 + 4 W]``, one row per query tile
   (read by every head's CTA): its batch row, its tile (``W block_q`` rows,
   ``W = warpgroups``) and its warpgroups' key-block ranges
   (:func:`common.block_ranges`, ``ranges`` ``[B, T_pad / block_q, 4]``).
 
-  With ``heaviest_first`` the rows are ordered by the key blocks their two
-  warpgroups compute, most first (a stable sort): the hardware hands each
-  next CTA to the first SM that frees up, so the short tiles (causal's
-  first rows, short documents) fill the last wave (a longest-first list
-  schedule)."""
+  The rows are ordered by the key blocks their warpgroups compute, most
+  first (a stable sort): the hardware hands each next CTA to the first SM
+  that frees up, so the short tiles (causal's first rows, short documents)
+  fill the last wave (a longest-first list schedule)."""
   b, n_row_blocks, _ = ranges.shape
   tiles = n_row_blocks // warpgroups
   ranges = ranges.reshape(b, tiles, 4 * warpgroups)
   index = lambda axis: lax.broadcasted_iota(jnp.int32, (b, tiles, 1), axis)
   table = jnp.concatenate([index(0), index(1), ranges], axis=-1).reshape(
       b * tiles, 2 + 4 * warpgroups).astype(jnp.int32)
-  if heaviest_first:
-    blocks = sum(ranges[..., 4 * w + 3] - ranges[..., 4 * w]
-                 for w in range(warpgroups)).reshape(b * tiles)
-    table = table[jnp.argsort(-blocks, stable=True)]
-  return table
+  blocks = sum(ranges[..., 4 * w + 3] - ranges[..., 4 * w]
+               for w in range(warpgroups)).reshape(b * tiles)
+  return table[jnp.argsort(-blocks, stable=True)]
 
 
 def _grid(heads: int, tiles: int) -> dict:
   """The kernel's grid over (head, row of :func:`tile_table`), the
-  faster-varying axis first (x: launched first; y is limited to 65535)."""
-  if GRID_HEADS_INNER and tiles <= 65535:
+  faster-varying axis first (x: launched first; y is limited to 65535).
+  The heads vary fastest, so the CTAs of one query tile run together for
+  every head: measured faster on the H100 than one head's tiles together,
+  although those share K and V in L2."""
+  if tiles <= 65535:
     return dict(grid=(heads, tiles), grid_names=("heads", "tile"))
   return dict(grid=(tiles, heads), grid_names=("tile", "heads"))
 
@@ -1271,7 +1219,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
     bounds, ranges, segments = common.index_operands(
         kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
         s_pad=s_pad, block_q=bq, block_k=bk, has_mask=False)
-    table = tile_table(ranges, heaviest_first=HEAVIEST_FIRST, warpgroups=wgs)
+    table = tile_table(ranges, warpgroups=wgs)
   args = [q, k, v, table, common.row_key_ranges(bounds, t_pad=t_pad)]
   runtime_exponent = not isinstance(exact_exponent, (bool, np.bool_))
   if runtime_exponent:
@@ -1348,8 +1296,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       k_scale_per_block=k_scale_per_block,
       has_qbias=q_block_bias is not None, bias_rows=bias_rows,
       has_vbs=v_block_scale is not None,
-      prefetch_block_scales=PREFETCH_BLOCK_SCALES and (
-          k_scale_per_block or v_block_scale is not None),
+      prefetch_block_scales=k_scale_per_block or v_block_scale is not None,
       has_colsum=v_colsum is not None,
       has_epilogue=has_epilogue, has_nan_rows=nan_rows is not None,
       p_in_smem=p_in_smem,
@@ -1359,12 +1306,13 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       exact_exponent=None if runtime_exponent else bool(exact_exponent),
       runtime_exponent=runtime_exponent, return_lse=return_lse,
       return_row_amax=return_row_amax,
+      # the 8-bit products accumulate into registers zeroed next to their
+      # wgmma (:func:`_fresh_accumulator`); float16 S measured no faster so
       fresh_accumulators=() if p_in_smem else tuple(
-          x for x in FRESH_ACCUMULATORS
-          if (qk if x == "qk" else pv) != "fp16"),
-      round_p_by_add=ROUND_P_BY_ADD and interp is None,
-      int_scores_by_add=INT_SCORES_BY_ADD,
-      early_block_loads=EARLY_BLOCK_LOADS)
+          x for x in ("qk", "pv") if (qk if x == "qk" else pv) != "fp16"),
+      # integer P rounded by one float add (:func:`_floor_to_8bit`), which
+      # the interpreter cannot run (inline PTX)
+      round_p_by_add=interp is None)
   row_outputs = int(return_lse) + int(return_row_amax)
   out_type = (jax.ShapeDtypeStruct((b, t_pad, n, d_tile), out_dtype),
               *[jax.ShapeDtypeStruct((b, n, t_pad), jnp.float32)]

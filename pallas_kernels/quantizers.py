@@ -74,13 +74,13 @@ def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
 
 
 # The passes' default tiles, the fastest by GPU time on the H100
-# (``benchmarks/quantizer_knobs.py``; docs/design.md, "The passes' tiles"):
+# (023694b; docs/design.md):
 # Q/K passes in tiles of 32 rows (or one group, where a group is larger),
 # since the per-token and given-scale passes ran near a cast's time in
 # 32-row tiles and slower in 128-row ones.  Sage's query-block means
 # (``shift="tile_mean"``) and per-tile shifts need one block of rows per
 # tile, which their callers give; the key pass with the bias keeps 128 rows
-# (``benchmarks/smooth_bias.py``).  V: (keys per tile, warps) per dtype.
+# (da375f1).  V: (keys per tile, warps) per dtype.
 # In the interpreter every program is one more step of a loop, so there the
 # defaults are the large tiles (the same bits:
 # tests/test_prepare.py::test_quantizer_tiles_do_not_change_the_bits).
@@ -90,8 +90,7 @@ ROWS_TILE = 32
 # at once after it has summed the whole tile: 0.165 -> 0.125 ms at
 # 2x8192x32x128 on the H100.  The other 128-row tiles (the key pass with the
 # bias, groups of 128 rows) ran slower in chunks, which would read them
-# twice or split the bias products (``benchmarks/sage_prep_ab.py``; the
-# slower forms in ``results/2026-11-27_h100_quantizer_chunks_all_passes.json``).
+# twice or split the bias products (3dd41f5).
 CHUNK_ROWS = 64
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
 INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys, warps)
@@ -200,7 +199,7 @@ def _column_stats_kernel(x_ref, len_ref, sum_ref, *extrema_refs, chunk):
 # (most splits of the keys per head, rows per step, warps) of
 # :func:`column_stats`: V's sum, max and min at 2x8192x32x128 in 0.061 ms on
 # the H100, where XLA's column reduction took 0.138
-# (``benchmarks/column_stats.py``).
+# (8ec7a27).
 COLUMN_STATS_TILES = (8, 32, 4)
 
 
@@ -376,44 +375,27 @@ def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
 
 def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk):
   """``q_m y^T`` in float32 for the tile's rows ``y`` (row amax ``amax``)
-  into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at a time
-  (:data:`BIAS_PRODUCTS`)."""
-  products = BIAS_PRODUCTS
-  if products not in ("f16x3", *_BIAS_PRESETS):
-    raise ValueError(f"BIAS_PRODUCTS must be 'f16x3' or one of "
-                     f"{tuple(_BIAS_PRESETS)}, got {products!r}")
-  if products == "f16x3":
-    y_unit, y_norm = _f16_split(y, amax)
-  precision = (jax.lax.Precision.HIGHEST if common.interpret()
-               else _BIAS_PRESETS.get(products))
+  into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at a time.
+
+  The float32 products run on the tensor cores at float16's rate: each row
+  scaled into [-1, 1] by its amax and split into float16 hi + lo
+  (:func:`_f16_split`), then three products (hi*hi + hi*lo + lo*hi).  The
+  same three products in TF32 made the key pass 0.41 ms against 0.33 at
+  2x8192x32x128 on the H100 (8 warps); Triton's IEEE float32 dot runs on
+  the FMA units at a few percent of their peak."""
+  y_unit, y_norm = _f16_split(y, amax)
+  precision = jax.lax.Precision.HIGHEST if common.interpret() else None
 
   def part(c, carry):
     at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
     qm = qm_ref[at, :]
     dot = functools.partial(_rows_dot, precision=precision)
-    if products == "f16x3":
-      q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
-      unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
-              + dot(q_unit[1], y_unit[0]))
-      bias_ref[at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
-    else:
-      bias_ref[at, :] = dot(qm, y)
+    q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
+    unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
+            + dot(q_unit[1], y_unit[0]))
+    bias_ref[at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
     return carry
   jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, part, 0)
-
-
-# How the quantizer's key pass forms SageAttention2's bias q_m y^T in
-# float32 on the tensor cores: "f16x3", each row scaled into [-1, 1] by its
-# amax and split into float16 hi + lo (:func:`_f16_split`), then three
-# products (hi*hi + hi*lo + lo*hi) at float16's rate; "tf32x3", the same
-# three products in TF32 (Triton's preset), the key pass 0.41 ms against
-# 0.33 at 2x8192x32x128 on the H100 with 8 warps (0.24 with 4:
-# ``benchmarks/smooth_bias.py``; 3xTF32 was the faster on 8 warps, 0.41
-# against 0.52 ms on 4).
-# Triton's IEEE float32 dot runs on the FMA units at a few percent of
-# their peak.
-BIAS_PRODUCTS = "f16x3"
-_BIAS_PRESETS = {"tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3}
 
 
 def _rows_dot(a, b, precision):
@@ -497,7 +479,7 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   :data:`CHUNK_ROWS` or one group with ``shift="tile_mean"``, else the
   whole tile) are speed knobs (4 warps and 64-row products were the
   fastest for the key pass with the bias on an H100:
-  ``benchmarks/smooth_bias.py``).  They leave the values as they are,
+  da375f1).  They leave the values as they are,
   except that on the GPU a tile mean's float32 sum may take another order
   in Triton's layout.
 

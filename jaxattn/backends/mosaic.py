@@ -42,20 +42,6 @@ BLOCK_KS = (64, 128)
 # take 256 KB).
 BLOCK_KS_8BIT = (64, 128, 256)
 TRITON_KNOBS = ("tile_q", "num_warps", "num_stages")
-# fp32 picks its exponent by a bound on the scores (which reads Q and K for
-# their row norms) instead of taking the exact one always.  Off: the read
-# costs more than the exact form (``benchmarks/exponent_switch.py``).
-FP32_SCORE_BOUND = False
-# The fused or exact exponent picked by an XLA ``lax.cond`` on the score
-# bound (two kernels; the host waits for the predicate, 8-10 us with the
-# GPU idle, and under vmap both run) instead of by the kernel itself, which
-# holds both forms and branches on the bound's flag.  Kept for the A/B
-# (``benchmarks/exponent_switch.py``).
-EXPONENT_BY_COND = False
-# The 8-bit FMHA's output amax from the kernel (each row's max |O|, written
-# in its epilogue) instead of an XLA pass over the float32 O.  Kept for the
-# A/B (``benchmarks/fmha_row_amax.py``).
-FMHA_ROW_AMAX = True
 
 
 def native() -> bool:
@@ -152,12 +138,10 @@ def _exact_when_needed(kernel, score_bound):
   bound on ``|s * c|`` in base 2, from the inputs' largest row norms
   (``fp16_fp32``, PASA) or the quantized operands' scales), else (a NaN
   bound too) the exact one: huge scores never overflow P, and ordinary
-  ones keep the faster form.  The kernel branches on the flag itself
-  (:data:`EXPONENT_BY_COND`)."""
+  ones keep the faster form.  The kernel holds both forms and branches on
+  the flag itself: a ``lax.cond`` here would make the host wait for the
+  predicate (8-10 us with the GPU idle)."""
   fused = score_bound <= mosaic.FUSED_EXPONENT_LIMIT
-  if EXPONENT_BY_COND:
-    return lax.cond(fused, functools.partial(kernel, exact_exponent=False),
-                    functools.partial(kernel, exact_exponent=True))
   return kernel(exact_exponent=jnp.logical_not(fused))
 
 
@@ -174,7 +158,7 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           return_lse=False, index_mask=None, f16_scores=False):
   """The exact exponent always: a bound on the scores would read Q and K
   for their row norms, which costs more than the exact form's one
-  instruction per score (``benchmarks/exponent_switch.py``).  With
+  instruction per score.  With
   ``f16_scores`` (``fp16_fp32``) the bound still picks, as for PASA's
   running form, which is that method op for op where no key block is
   shifted and takes the same path."""
@@ -186,7 +170,7 @@ def _fp32(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       params=params,
       f16_scores=f16_scores, out_dtype=q.dtype, return_lse=return_lse,
       index_mask=index_mask)
-  if not (f16_scores or FP32_SCORE_BOUND):
+  if not f16_scores:
     return kernel(exact_exponent=True)
   return _exact_when_needed(kernel, _score_bound(
       base.max_row_norm(q), base.max_row_norm(k), scale))
@@ -309,8 +293,10 @@ def _fmha(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
       v_colsum=ops.v_colsum, v_keys_ordered=ops.v_keys_ordered,
       out_scale=out_scale, out_shift=jnp.zeros_like(out_scale),
       out_dtype=jnp.float32, index_mask=index_mask,
-      return_row_amax=FMHA_ROW_AMAX), bound)
-  o, row_amax = out if FMHA_ROW_AMAX else (out, None)
+      return_row_amax=True), bound)
+  # the output amax from the kernel's epilogue (each row's max |O|), not an
+  # XLA pass over the float32 O
+  o, row_amax = out
   return nonfinite.poison(fmha.method_output(o, config=config,
                                              row_amax=row_amax),
                           nonfinite.rows_reached(
