@@ -2,7 +2,7 @@
 backends) and of SageAttention 1.0.6's Triton kernels, on the same float16
 inputs, on the GPU:
 
-    python3 benchmarks/profiles/accuracy.py [B H S D]     (default 1 8 8192 128)
+    python3 benchmarks/accuracy.py [B H S D]     (default 1 8 8192 128)
 
 Two inputs: N(0, 1) Q, K, V, and the same with a channel offset on K (every
 key shares a per-channel bias of std 8, the "channel outlier" keys that

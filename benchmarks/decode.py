@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 import jaxattn  # noqa: E402
 from jaxattn import decode  # noqa: E402
-from jaxattn.tuning import time_call  # noqa: E402
+from jaxattn.timing import time_call  # noqa: E402
 
 METHODS = ("cudnn_bf16", "fp32", "int8", "fp8", "sage", "pasa")
 

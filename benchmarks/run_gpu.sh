@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU session in one call: the GPU tests, then the benchmark on the
 # issue's shapes.  Usage (repository root, on the GPU machine):
-#   OUT=/some/dir [SKIP_TESTS=1] [TESTS_K=expr] bash benchmarks/run_gpu.sh [bench.py args]
+#   OUT=/some/dir [SKIP_TESTS=1] [TESTS_K=expr] bash benchmarks/run_gpu.sh [bench args]
 # Peers come from wheels in .whl/ when present (sageattention, tokamax).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
@@ -20,5 +20,5 @@ if [[ "${SKIP_TESTS:-0}" != 1 ]]; then
     | grep -v -i "warning" | tee "$OUT/gpu_tests.log" \
     | grep -E "rel_rmse|NaN|cos_sim|S=|passed|failed|Error" | tail -120
 fi
-python3 benchmarks/bench.py --out "$OUT/bench.json" --log "$OUT/bench.log" "$@" 2>&1 \
+python3 -m jaxattn bench --out "$OUT/bench.json" --log "$OUT/bench.log" "$@" 2>&1 \
   | grep -v -i "warn\|autotun"

@@ -2,8 +2,8 @@
 SourceCounters) of the Mosaic kernels and cuDNN's fp8 kernel, on
 2x32x8192x128 float16: the Mosaic fp8, sage2-8b and full INT8 kernels
 alone (non-causal, operands prepared beforehand, as ``bench`` times them),
-the fp32 kernel causal and packed (8 documents per row, as
-``benchmarks/index_mask.py``), and cuDNN's fp8 kernel.  One launch of
+the fp32 kernel causal and packed (8 documents of random lengths per
+row), and cuDNN's fp8 kernel.  One launch of
 each, after its compile, one ncu process per call (``--only NAME``): ncu
 2025.3 with SourceCounters segfaults once the program goes on after the
 profiled kernel, having written the report (for ``fp32_packed`` it
@@ -12,9 +12,9 @@ segfaulted before writing, rc 139)::
     ncu --clock-control none -k regex:"anonymous|sdpa" -c 1 \\
         --section SourceCounters --section WarpStateStats \\
         --import-source no -o NAME \\
-        python benchmarks/profiles/step_stalls.py --only NAME
+        python benchmarks/stalls.py --only NAME
     ncu -i NAME.ncu-rep --page source --csv --print-source sass > NAME.csv
-    python benchmarks/profiles/step_stalls.py --summarize NAME.csv \\
+    python benchmarks/stalls.py --summarize NAME.csv \\
         [--parts fp8]
 
 NAME is one of :data:`CALLS`.  ``--summarize`` reads the exported table (a
@@ -36,9 +36,9 @@ CALLS = ("kernel_fp8_mosaic", "kernel_sage2-8b_mosaic",
 SAMPLES = "Warp Stall Sampling (All Samples)"
 EXECUTED = "Instructions Executed"
 # The parts of the fp8 kernel's unmasked step, as SASS offsets from the
-# kernel's first instruction, in the build that
-# ``results/2026-11-26_h100_step_stalls_fp8_sass.csv.gz`` profiled (other
-# builds move them; read them off the loop's listing again).
+# kernel's first instruction, in the build profiled for
+# ``results/2026-11-26_h100_step_stalls.log`` (other builds move them; read
+# them off the loop's listing again).
 FP8_STEP_PARTS = (
     ("QK issue", 0x6490, 0x6670),
     ("rendezvous after QK issue", 0x6680, 0x6680),
@@ -150,12 +150,21 @@ def run(only):
   import jax
   import numpy as np
 
+  import jax.numpy as jnp
+
   from jaxattn import api, bench
-  from jaxattn.tuning import packed_segments, random_btnh
 
   shape = (2, 8192, 32, 128)
-  q, k, v = random_btnh(shape)
-  segs = packed_segments(np.random.default_rng(0), shape[0], shape[1], 8)
+  q, k, v = (jax.random.normal(x, shape, jnp.float32).astype(jnp.float16)
+             for x in jax.random.split(jax.random.key(0), 3))
+  # 8 packed documents of random lengths per batch row
+  rng = np.random.default_rng(0)
+  segs = []
+  for _ in range(shape[0]):
+    cuts = np.sort(rng.choice(np.arange(1, shape[1]), 7, replace=False))
+    lengths = np.diff(np.concatenate([[0], cuts, [shape[1]]]))
+    segs.append(np.repeat(np.arange(8), lengths))
+  segs = jnp.asarray(np.stack(segs), jnp.int32)
 
   def wanted(name):
     return only is None or name == only

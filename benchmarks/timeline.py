@@ -3,9 +3,9 @@ last of a few back-to-back calls, from jax's profiler (CUPTI), with the
 idle gaps between them, for the methods of ``jaxattn.bench`` at
 2x8192x32x128:
 
-    python benchmarks/profiles/e2e_timeline.py OUT.log [--causal]
+    python benchmarks/timeline.py OUT.log [--causal]
 
-For each method it prints the call's time (``jaxattn.tuning.time_call``,
+For each method it prints the call's time (``jaxattn.timing.time_call``,
 as the benchmark times it, with cuDNN bf16 in the same process), then one
 traced call's kernels in launch order (start offset, duration, the idle
 gap before it) and a summary: the kernels' busy time, the gaps, and the
@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 
 import jaxattn
-from jaxattn.tuning import device_kernels, split_calls, time_call
+from jaxattn.timing import device_kernels, split_calls, time_call
 
 ap = argparse.ArgumentParser()
 ap.add_argument("out")

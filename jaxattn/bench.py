@@ -6,7 +6,7 @@ the GPU, and writes the results as JSON (``--out``) and PNG plots (``--plot``).
         [--plot DIR] [--backward]
     python -m jaxattn bench --plot DIR --from-json FILE...   (no GPU needed)
 
-(``python benchmarks/bench.py`` is the same command.)  Peers: cuDNN through
+Peers: cuDNN through
 ``jax.nn.dot_product_attention(implementation="cudnn")`` in bfloat16 (the
 reference point of every ratio) and float16, jax's own Pallas attention
 (``jax.experimental.pallas.ops.gpu.attention.mha``), and, where they import,
@@ -19,7 +19,7 @@ timed groups of ``--iters`` back-to-back calls after warm-up, synchronised on
 the device.  Each JAX and kernel row also has ``device_ms`` and its
 ``device_ratio_vs_cudnn_bf16``: the GPU's time from one call's first kernel
 to the next call's over 6 traced calls after the timed groups
-(:func:`jaxattn.tuning.device_period_ms`, jax's profiler).
+(:func:`jaxattn.timing.device_period_ms`, jax's profiler).
 
 The plots: one PNG per (causal, head dim), TFLOP/s (left) and ratio to cuDNN
 bf16 (right) against the sequence length, one line per method.
@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import jaxattn
 from jaxattn import api, data, metrics, operands, pasa
 from jaxattn.report import Progress, new_figure, require_matplotlib
-from jaxattn.tuning import device_period_ms, time_call
+from jaxattn.timing import device_period_ms, time_call
 from pallas_kernels import common
 
 DEFAULT_SHAPES = "4x32x2048x128,2x32x8192x128,1x32x16384x128,4x32x4096x64"

@@ -45,7 +45,7 @@ QK_TYPES = ("int8", "int4")
 PV_TYPES = ("int8", "fp8", "fp16", "uint8")
 
 # (head_dim_padded, block_k) -> (block_q, num_warps, num_stages): the best of
-# benchmarks/sweep.py on an H100 at B=2 H=32 S=8192 D=128 (half-INT8 and
+# the tile sweep (7928894) on an H100 at B=2 H=32 S=8192 D=128 (half-INT8 and
 # full INT8).  block_k is not a knob here: it belongs to the method (V block
 # scales, SageAttention's K scales).
 _TABLE = {

@@ -363,41 +363,18 @@ def test_bad_parameters():
 
 
 def test_device_times_from_the_traced_kernels(monkeypatch):
-  """``tuning.device_ms`` sums one call's kernel durations and
+  """``timing.device_ms`` sums one call's kernel durations and
   ``device_period_ms`` takes one call's first kernel to the next call's
   (the gaps in), medians over the calls; None without GPU kernels."""
-  from jaxattn import tuning
+  from jaxattn import timing
   # three calls of two kernels each: (name, start_ns, duration_ns)
   kernels = [("a", 0, 100), ("b", 150, 1000), ("a", 1300, 100),
              ("b", 1420, 1000), ("a", 2600, 100), ("b", 2700, 1200)]
-  monkeypatch.setattr(tuning, "device_kernels",
+  monkeypatch.setattr(timing, "device_kernels",
                       lambda fn, args, calls: kernels)
-  assert tuning.device_ms(None, (), calls=3) == 1100 / 1e6
-  assert tuning.device_period_ms(None, (), calls=3) == 1300 / 1e6
+  assert timing.device_ms(None, (), calls=3) == 1100 / 1e6
+  assert timing.device_period_ms(None, (), calls=3) == 1300 / 1e6
   # kernels that do not split into equal calls: no number, not a wrong one
-  assert tuning.device_ms(None, (), calls=4) is None
-  monkeypatch.setattr(tuning, "device_kernels", lambda fn, args, calls: [])
-  assert tuning.device_period_ms(None, (), calls=3) is None
-
-
-def test_array_options_are_the_jitted_calls_data():
-  """``tuning.jit_with_array_options``: array options (segment ids,
-  lengths) become the jitted call's argument, so another value reaches the
-  same compiled call (closed over, they were its constants); the others
-  stay static."""
-  from jaxattn import tuning
-  traces = []
-
-  def fn(q, k, v, *, ids, scale):
-    traces.append(scale)
-    return q * scale + ids
-
-  x = jnp.zeros(4, jnp.float32)
-  jitted, arrays = tuning.jit_with_array_options(
-      fn, dict(ids=jnp.arange(4, dtype=jnp.float32), scale=2.0))
-  assert set(arrays) == {"ids"}
-  compiled = jitted.lower(x, x, x, arrays).compile()
-  np.testing.assert_array_equal(compiled(x + 1, x, x, arrays), [2, 3, 4, 5])
-  other = dict(ids=jnp.full(4, 7.0, jnp.float32))
-  np.testing.assert_array_equal(compiled(x, x, x, other), [7, 7, 7, 7])
-  assert traces == [2.0] and isinstance(jitted, type(jax.jit(fn)))
+  assert timing.device_ms(None, (), calls=4) is None
+  monkeypatch.setattr(timing, "device_kernels", lambda fn, args, calls: [])
+  assert timing.device_period_ms(None, (), calls=3) is None
