@@ -12,7 +12,7 @@ values:
   different keys, both right to float32);
 * with subnormal Q, K (uniform attention over normal V) the error against
   float32 is within the method's budget (test_fuzz's ERROR_BUDGET, the
-  README's table);
+  table in benchmarks/README.md);
 * with V at +-65504 the error against float32 is the error of the same
   call with V at +-1: attention is linear in V, and the extreme values
   cost nothing.  (Two-valued V is hard for SageAttention2's smoothed fp8

@@ -11,7 +11,7 @@ to 1e4.  Each example checks:
   scores in ``fp16_fp32``/``fp16`` past 65504, PASA past its bound);
 * a kernel equals its own method's reference within :data:`KERNEL_TOL`;
 * at input scales up to 1, the method's error against float64 attention is
-  within its budget, :data:`ERROR_BUDGET` (the README's table).
+  within its budget, :data:`ERROR_BUDGET` (benchmarks/README.md's table).
 """
 import os
 

@@ -104,3 +104,41 @@ def test_every_backend_table_names_known_methods():
     assert backend.NAME == name
   assert set(api.BACKENDS["reference"].ADAPTERS) == set(methods.METHODS)
   assert api.PREFERENCE[-1] == "reference"
+
+
+def _count_lines(path):
+  with open(os.path.join(ROOT, path)) as f:
+    return sum(1 for _ in f)
+
+
+def test_the_tree_stays_lean():
+  """What a maintainer reads: at most 10 maintained benchmark scripts, 25
+  recorded results, 800 lines of design note, 300 of README and 250 of
+  the benchmarks' README."""
+  scripts = [os.path.join(d, f)
+             for d, _, files in os.walk(os.path.join(ROOT, "benchmarks"))
+             for f in files if f.endswith(".py")]
+  assert len(scripts) <= 10, sorted(scripts)
+  results = os.listdir(os.path.join(ROOT, "benchmarks", "results"))
+  assert len(results) <= 25, sorted(results)
+  assert _count_lines("docs/design.md") <= 800
+  assert _count_lines("README.md") <= 300
+  assert _count_lines("benchmarks/README.md") <= 250
+
+
+def test_the_library_names_only_scripts_that_exist():
+  """Comments and docstrings of the library and the tests point at
+  benchmark scripts that are there (an experiment's script is not kept:
+  its commit holds the evidence)."""
+  import re
+  pattern = re.compile(r"benchmarks/[\w/]+\.(?:py|sh)")
+  missing = []
+  for top in (*PACKAGES, "tests"):
+    for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+      for f in files:
+        if f.endswith(".py"):
+          path = os.path.join(dirpath, f)
+          for ref in pattern.findall(open(path).read()):
+            if not os.path.exists(os.path.join(ROOT, ref)):
+              missing.append((os.path.relpath(path, ROOT), ref))
+  assert not missing, missing
