@@ -292,6 +292,7 @@ from flax import nnx as _nnx  # noqa: E402
 from jaxattn import decode as _decode  # noqa: E402
 
 _CACHE_FIELDS = ("k", "v", "k_scale", "v_scale", "k_mean")
+_PAGED_FIELDS = ("k_pages", "v_pages", "k_scale", "v_scale", "k_mean")
 
 
 class QuantizedCacheAttention(_nnx.MultiHeadAttention):
@@ -309,6 +310,9 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
       (``k_dtype``, ``v_dtype``, ``smooth_k``) say otherwise.
     decode_options: keyword arguments of ``jaxattn.decode_attention``
       (``implementation``, ``num_splits``, ...).
+    num_pages, page_size: a paged cache (:class:`jaxattn.decode.
+      PagedKVCache`) of ``num_pages`` pages of ``page_size`` tokens
+      (a power of two >= 16) instead of a dense one; see below.
 
   In decode mode a call takes ``[batch, T, features]`` (one batch dim):
   its ``T`` tokens are appended at the cache index and attend to the
@@ -317,11 +321,28 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
   ``jaxattn.dot_product_attention`` (float32), then decode continues
   from the quantized cache.  ``mask`` must be None in decode mode (the
   positions come from the cache index), as must dropout.
+
+  **Paged** (``num_pages`` given): ``init_cache((slots, max_length,
+  features))`` makes the pool, one key shift per sequence slot, and a page
+  table ``page_indices`` int32 ``[slots, ceil(max_length / page_size)]``
+  with the slots' lengths ``seq_lengths`` int32 ``[slots]``, kept in the
+  module (``nnx.Cache``).  The caller owns the table (the contract of
+  :class:`~jaxattn.decode.PagedKVCache`) and sets rows of it with
+  :meth:`set_page_table` (one layer) or :meth:`set_page_tables` (every
+  paged layer of a model: they share one table) when a request takes a
+  slot; the table starts as slot ``b`` owning pages ``b * n .. (b + 1) *
+  n - 1`` where the pool holds ``slots * n`` pages, else with no page.  A
+  call ``layer(x, seq_ids=..., active=...)`` takes the rows ``[B, T,
+  features]`` of the slots ``seq_ids`` (int ``[B]``, default all slots),
+  appends their tokens at their lengths and advances those; rows with
+  ``active`` False (bool ``[B]``) append nothing and output the output
+  projection of 0 (idle slots of a fixed-size batch).
   """
 
   def __init__(self, *args, cache_method: str = "int8",
                cache_options: Mapping[str, Any] | None = None,
-               decode_options: Mapping[str, Any] | None = None, **kwargs):
+               decode_options: Mapping[str, Any] | None = None,
+               num_pages: int | None = None, page_size: int = 16, **kwargs):
     super().__init__(*args, **kwargs)
     if cache_method not in _decode.METHOD_CACHES:
       raise ValueError(f"cache_method must be one of "
@@ -333,43 +354,112 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
     _decode.DecodeConfig.from_options(**{
         k: v for k, v in self.decode_options.items()
         if k != "implementation"})
-    for name in _CACHE_FIELDS:
+    if num_pages is not None and (
+        not isinstance(num_pages, int) or num_pages < 1 or
+        not isinstance(page_size, int) or page_size < 16
+        or page_size & (page_size - 1)):
+      raise ValueError(f"num_pages must be a positive int and page_size a "
+                       f"power of two >= 16, got {num_pages!r}, "
+                       f"{page_size!r}")
+    self.num_pages, self.page_size = num_pages, page_size
+    self.paged = num_pages is not None
+    for name in dict.fromkeys(_CACHE_FIELDS + _PAGED_FIELDS):
       setattr(self, f"kv_{name}", _nnx.data(None))
+    self.page_indices = _nnx.data(None)
+    self.seq_lengths = _nnx.data(None)
+
+  @property
+  def _fields(self):
+    return _PAGED_FIELDS if self.paged else _CACHE_FIELDS
 
   def init_cache(self, input_shape, dtype=jnp.float32):
     """An empty quantized cache for inputs ``[batch, max_length,
-    features]`` (``dtype`` is unused: the cache format is the
-    method's)."""
+    features]`` (paged: ``batch`` sequence slots of up to ``max_length``
+    tokens; ``dtype`` is unused: the cache format is the method's)."""
     del dtype
     if len(input_shape) != 3:
       raise ValueError("QuantizedCacheAttention takes inputs [batch, "
                        f"length, features], got shape {input_shape}")
     batch, max_length = input_shape[0], input_shape[1]
-    cache = _decode.KVCache.create(
-        batch, max_length, self.num_kv_heads, self.head_dim,
-        method=self.cache_method, **self.cache_options)
-    for name in _CACHE_FIELDS:
+    if self.paged:
+      cache = _decode.PagedKVCache.create(
+          self.num_pages, self.page_size, self.num_kv_heads, self.head_dim,
+          num_seqs=batch, method=self.cache_method, **self.cache_options)
+      n = -(-max_length // self.page_size)
+      # the dense layout when the pool holds it; else no page (page P:
+      # eager writes raise, jitted ones are dropped) until the caller sets
+      # the table
+      table = (jnp.arange(batch * n, dtype=jnp.int32).reshape(batch, n)
+               if self.num_pages >= batch * n
+               else jnp.full((batch, n), self.num_pages, jnp.int32))
+      self.page_indices = _nnx.Cache(table)
+      self.seq_lengths = _nnx.Cache(jnp.zeros(batch, jnp.int32))
+    else:
+      cache = _decode.KVCache.create(
+          batch, max_length, self.num_kv_heads, self.head_dim,
+          method=self.cache_method, **self.cache_options)
+      self.cache_index = _nnx.Cache(jnp.array(0, dtype=jnp.int32))
+    for name in self._fields:
       x = getattr(cache, name)
       setattr(self, f"kv_{name}",
               _nnx.data(None) if x is None else _nnx.Cache(x))
-    self.cache_index = _nnx.Cache(jnp.array(0, dtype=jnp.int32))
+
+  def set_page_table(self, page_indices, lengths=None, *, seq_ids=None):
+    """Sets rows of the page table (paged cache): ``page_indices`` int
+    ``[B, n]`` (``n`` up to the table's width; missing entries are 0, never
+    read) for the slots ``seq_ids`` (int ``[B]``, default all), with their
+    ``lengths`` (int ``[B]``, default 0: a new sequence, whose first call
+    sets the slot's key shift)."""
+    if not self.paged or self.page_indices is None:
+      raise ValueError("set_page_table needs a paged cache "
+                       "(QuantizedCacheAttention(..., num_pages=...)) after "
+                       "init_cache")
+    table = self.page_indices[...]
+    page_indices = jnp.asarray(page_indices, jnp.int32)
+    if page_indices.ndim != 2 or page_indices.shape[1] > table.shape[1]:
+      raise ValueError(f"page_indices must be [B, n] with n <= "
+                       f"{table.shape[1]}, got {page_indices.shape}")
+    b = page_indices.shape[0]
+    missing = table.shape[1] - page_indices.shape[1]
+    page_indices = jnp.pad(page_indices, ((0, 0), (0, missing)))
+    seq_ids = (jnp.arange(b) if seq_ids is None
+               else jnp.asarray(seq_ids, jnp.int32))
+    lengths = (jnp.zeros(b, jnp.int32) if lengths is None
+               else jnp.asarray(lengths, jnp.int32))
+    if seq_ids.shape != (b,) or lengths.shape != (b,):
+      raise ValueError(f"seq_ids and lengths must have shape ({b},), got "
+                       f"{seq_ids.shape} and {lengths.shape}")
+    self.page_indices[...] = table.at[seq_ids].set(page_indices)
+    self.seq_lengths[...] = self.seq_lengths[...].at[seq_ids].set(lengths)
+
+  @staticmethod
+  def set_page_tables(model, page_indices, lengths=None, *, seq_ids=None):
+    """:meth:`set_page_table` on every paged
+    :class:`QuantizedCacheAttention` in ``model`` (an nnx module);
+    returns how many were set."""
+    layers = [m for _, m in _nnx.iter_graph(model)
+              if isinstance(m, QuantizedCacheAttention) and m.paged]
+    for m in layers:
+      m.set_page_table(page_indices, lengths, seq_ids=seq_ids)
+    return len(layers)
 
   def _cache(self):
-    return _decode.KVCache(**{
+    cls = _decode.PagedKVCache if self.paged else _decode.KVCache
+    return cls(**{
         name: (None if getattr(self, f"kv_{name}") is None
                else getattr(self, f"kv_{name}")[...])
-        for name in _CACHE_FIELDS})
+        for name in self._fields})
 
   def __call__(self, inputs_q, inputs_k=None, inputs_v=None, *, mask=None,
                deterministic=None, rngs=None, sow_weights=False,
-               decode=None, **kwargs):
+               decode=None, seq_ids=None, active=None, **kwargs):
     decode = self.decode if decode is None else decode
     if not decode:
       return super().__call__(inputs_q, inputs_k, inputs_v, mask=mask,
                               deterministic=deterministic, rngs=rngs,
                               sow_weights=sow_weights, decode=False,
                               **kwargs)
-    if self.kv_k is None or self.cache_index is None:
+    if getattr(self, f"kv_{self._fields[0]}") is None:
       raise ValueError("Autoregressive cache not initialized, call "
                        "``init_cache`` first.")
     if mask is not None:
@@ -385,6 +475,9 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
         deterministic if deterministic is not None
         else self.deterministic):
       raise ValueError("the quantized-cache decode path has no dropout")
+    if not self.paged and (seq_ids is not None or active is not None):
+      raise ValueError("seq_ids and active are for a paged cache "
+                       "(num_pages=...)")
     inputs_k = inputs_q if inputs_k is None else inputs_k
     inputs_v = inputs_k if inputs_v is None else inputs_v
     query = self.query(inputs_q)
@@ -393,25 +486,46 @@ class QuantizedCacheAttention(_nnx.MultiHeadAttention):
     if self.normalize_qk:
       query, key = self.query_ln(query), self.key_ln(key)
     b, t = query.shape[0], query.shape[1]
-    index = self.cache_index[...]
-    lengths = jnp.full((b,), index, jnp.int32)
-    cache = _decode.append(self._cache(), key, value, lengths)
-    for name in _CACHE_FIELDS:
+    page_indices = None
+    if self.paged:
+      seq_ids = (jnp.arange(b, dtype=jnp.int32) if seq_ids is None
+                 else jnp.asarray(seq_ids, jnp.int32))
+      active = (jnp.ones(b, bool) if active is None
+                else jnp.asarray(active, bool))
+      counts = jnp.where(active, t, 0).astype(jnp.int32)
+      page_indices = self.page_indices[...][seq_ids]
+      lengths = self.seq_lengths[...][seq_ids]
+      cache = _decode.append_paged(self._cache(), key, value, lengths,
+                                   page_indices, seq_ids=seq_ids,
+                                   counts=counts)
+      new_lengths = lengths + counts
+      self.seq_lengths[...] = self.seq_lengths[...].at[seq_ids].set(
+          new_lengths)
+    else:
+      index = self.cache_index[...]
+      lengths = jnp.full((b,), index, jnp.int32)
+      cache = _decode.append(self._cache(), key, value, lengths)
+      self.cache_index[...] = index + t
+      new_lengths = lengths + t
+    for name in self._fields:
       x = getattr(cache, name)
       if x is not None:
         getattr(self, f"kv_{name}")[...] = x
-    self.cache_index[...] = index + t
-    new_lengths = lengths + t
     if t <= _decode.MAX_NEW_TOKENS:
       x = _decode.decode_attention(query, cache, new_lengths,
+                                   page_indices=page_indices,
                                    method=self.cache_method,
                                    **self.decode_options)
     else:   # a prompt: float attention on the dequantized cache
-      k, v = cache.dequantize()
+      dense = cache if page_indices is None else _decode.paged_to_dense(
+          cache, page_indices, new_lengths, seq_ids=seq_ids)
+      k, v = dense.dequantize()
       x = api.dot_product_attention(
           query.astype(jnp.float32), k, v, is_causal=True,
           causal_alignment="bottom_right",
           key_value_seq_lengths=new_lengths).astype(query.dtype)
+    if active is not None:
+      x = jnp.where(active[:, None, None, None], x, 0)
     return self.out(x.astype(query.dtype))
 
 

@@ -11,13 +11,14 @@ import pytest
 
 import jaxattn
 from jaxattn import data, decode, metrics
-from pallas_kernels import decode as kernel
+from pallas_kernels import paged as kernel
 
 METHODS = ("fp32", "pasa", "int8", "fp8", "sage")
 # kernel against the method's reference (same stored bits; the kernel's
 # blocked softmax rounds P against a running max): max |diff|, measured
-# <= 2e-4 (int8, fp8, sage, pasa) and 9e-4 (fp32: bf16 P) on these shapes
-KERNEL_ATOL = {"fp32": 4e-3, "pasa": 1e-3, "int8": 1e-3, "fp8": 1e-3,
+# <= 2e-4 (int8, fp8, sage, pasa) and 5.3e-3 (fp32: bfloat16 P, 2^-8
+# relative, on rows of few keys) on these shapes
+KERNEL_ATOL = {"fp32": 8e-3, "pasa": 1e-3, "int8": 1e-3, "fp8": 1e-3,
                "sage": 1e-3}
 # jitted, as a serving loop runs it (eagerly every op compiles on its own)
 _append = jax.jit(decode.append)
@@ -111,7 +112,7 @@ def test_causal_among_new_tokens_and_short_rows():
                                 num_splits=2)
   ref = decode.decode_attention(q, cache, lengths, method="fp32",
                                 implementation="reference")
-  assert float(jnp.abs(out - ref).max()) < 4e-3
+  assert float(jnp.abs(out - ref).max()) < KERNEL_ATOL["fp32"]
   kb, vb = k.astype(jnp.bfloat16), v.astype(jnp.bfloat16)
   for i in range(t):   # row 1: token i alone sees its prefix
     n_keys = int(lengths[1]) - t + i + 1
@@ -211,8 +212,8 @@ def test_errors():
   with pytest.raises(NotImplementedError, match="no 'mosaic' kernel"):
     jaxattn.decode_attention(q, cache, jnp.array([3]), method="int8",
                              implementation="mosaic")
-  with pytest.raises(ValueError, match="1 to 16 new query tokens"):
-    jaxattn.decode_attention(_normal(0, (b, 17, 4, d)), cache,
+  with pytest.raises(ValueError, match="1 to 2048 new query tokens"):
+    jaxattn.decode_attention(jnp.zeros((b, 2049, 4, d)), cache,
                              jnp.array([20]), method="int8")
   with pytest.raises(ValueError, match="multiple of the cache's KV heads"):
     jaxattn.decode_attention(_normal(0, (b, 1, 3, d)), cache, jnp.array([3]),
@@ -244,14 +245,15 @@ def test_kernel_under_x64():
 def test_split_choice(monkeypatch):
   # interpret mode (no GPU): few programs
   monkeypatch.setattr(kernel, "sm_count", lambda: None)
-  assert kernel.choose_splits(8, 8, 32768, 64) == 4
-  assert kernel.choose_splits(1, 1, 64, 64) == 1
-  # an H100 (132 SMs): 4 programs per SM, partials under 1/8 of the cache
+  assert kernel.choose_splits(64, 32768, 64) == 4
+  assert kernel.choose_splits(1, 64, 64) == 1
+  # an H200 (132 SMs): 4 programs per SM, at least 256 keys and 16 rows'
+  # worth of partials per split
   monkeypatch.setattr(kernel, "sm_count", lambda: 132)
-  assert kernel.choose_splits(8, 8, 32768, 64) == 9
-  assert kernel.choose_splits(32, 8, 32768, 64) == 3
-  assert kernel.choose_splits(1, 8, 32768, 64) == 66
-  assert kernel.choose_splits(1, 8, 4096, 64, rows=64) == 4
+  assert kernel.choose_splits(64, 32768, 64) == 9
+  assert kernel.choose_splits(256, 32768, 64) == 3
+  assert kernel.choose_splits(8, 32768, 64) == 66
+  assert kernel.choose_splits(8, 4096, 64, rows=64) == 4
 
 
 # --- Flax: greedy generation through the drop-in decode layer ------------

@@ -85,7 +85,7 @@ def test_importing_the_kernels_loads_no_method_module():
   module (method, configuration or otherwise) gets loaded."""
   code = ("import sys; import pallas_kernels.common, pallas_kernels.flash, "
           "pallas_kernels.quantized, pallas_kernels.quantizers, "
-          "pallas_kernels.mosaic; "
+          "pallas_kernels.mosaic, pallas_kernels.paged; "
           "print(sorted(m for m in sys.modules if m.split('.')[0] in "
           "('jaxattn', 'pallas_kernels')))")
   r = subprocess.run([sys.executable, "-c", code], cwd=ROOT,

@@ -1,0 +1,221 @@
+"""Triton kernels called from JAX: through ``jax_triton`` on a GPU, through
+Triton's interpreter on the CPU.
+
+Pallas's Triton backend is deprecated since jax 0.11.0, so the kernels
+written since then are plain ``@triton.jit`` functions.  :func:`launch`
+runs one: on a GPU with ``jax_triton.triton_call`` (one custom call,
+compiled for the device when jax lowers it); without a GPU as a
+``jax.pure_callback`` that runs the same function in Triton's interpreter
+(numpy semantics, one program at a time) on the host, which is how CI tests
+the kernels.  The interpreter runs no inline PTX and no libdevice calls, so
+the kernels use neither: where the GPU has a faster instruction for the
+same value they say so.
+
+Outputs are allocated by the caller of the kernel: on the GPU
+``jax_triton`` hands fresh (uninitialised) buffers to the kernel, and in the
+interpreter they are filled with a poison pattern first (NaN for floats,
+the most negative value for integers), so a test that compares every
+element catches an element the kernel did not write.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels import common
+
+_LOCK = threading.Lock()
+
+
+class _NoTriton:
+  """Stands in for ``triton`` where it is not installed (jax without a
+  GPU and without torch): kernel modules still import, their functions are
+  plain Python, and :func:`launch` says what is missing."""
+  jit = staticmethod(lambda fn=None, **_: fn if fn else (lambda f: f))
+
+  class language:  # noqa: N801 (the module's name)
+    constexpr = staticmethod(lambda value=None: value)
+
+
+try:
+  import triton
+  import triton.language as tl
+except ImportError:  # pragma: no cover (the test extra brings triton)
+  triton = _NoTriton
+  tl = _NoTriton.language
+
+
+def launch(kernel, *args, out_shape, grid, num_warps: int = 4,
+           num_stages: int = 2, enable_fp_fusion: bool = False,
+           **constexprs):
+  """``kernel[grid](*args, *outputs, **constexprs)``; returns the outputs.
+
+  Args:
+    kernel: a ``@triton.jit`` function whose parameters are ``args`` (jax
+      arrays, passed as pointers; Python ints and floats, passed as
+      scalars), then one pointer per output, then the ``constexprs``
+      (``jax_triton``'s convention).
+    out_shape: a ``jax.ShapeDtypeStruct`` or a tuple of them.
+    grid: up to three ints.
+    num_warps, num_stages: Triton's knobs (GPU only).
+    enable_fp_fusion: let the compiler contract ``a * b + c`` into an FMA.
+      Off by default: the kernels' references round each operation, as the
+      interpreter does.
+  """
+  if triton is _NoTriton:
+    raise NotImplementedError(
+        "jaxattn's Triton kernels need the triton package (pip install "
+        "'jaxattn[gpu]' on a GPU, or torch, which brings it, for the "
+        "interpreter); implementation='reference' runs without it")
+  single = isinstance(out_shape, jax.ShapeDtypeStruct)
+  shapes = (out_shape,) if single else tuple(out_shape)
+  grid = tuple(int(g) for g in grid)
+  # (jax_triton passes a Python float as float64; the kernels take float32)
+  args = tuple(np.float32(a) if isinstance(a, float) else a for a in args)
+  if any(g == 0 for g in grid):
+    raise ValueError(f"empty grid {grid}")
+  if common.has_gpu():
+    import jax_triton
+    outs = jax_triton.triton_call(
+        *args, kernel=kernel, out_shape=shapes, grid=grid,
+        num_warps=num_warps, num_stages=num_stages,
+        enable_fp_fusion=enable_fp_fusion, **constexprs)
+  else:
+    outs = _interpret(kernel, args, shapes, grid, constexprs)
+  return outs[0] if single else tuple(outs)
+
+
+def _is_array(x) -> bool:
+  return (hasattr(x, "shape") and hasattr(x, "dtype")
+          and not isinstance(x, np.generic))
+
+
+def _interpret(kernel, args, shapes, grid, constexprs):
+  """:func:`launch` on the host, in Triton's interpreter."""
+  positions = [i for i, a in enumerate(args) if _is_array(a)]
+  arrays = [jnp.asarray(args[i]) for i in positions]
+
+  def host(*values):
+    # (the interpreter takes scalars as Python numbers, floats as float32)
+    full = [a.item() if isinstance(a, np.generic) else a for a in args]
+    for i, x in zip(positions, values):
+      full[i] = _to_torch(np.asarray(x))
+    outs = [_poisoned(s) for s in shapes]
+    _run_interpreted(kernel, grid, full + outs, constexprs)
+    return tuple(_to_numpy(o, s.dtype) for o, s in zip(outs, shapes))
+
+  return jax.pure_callback(host, tuple(shapes), *arrays)
+
+
+def _torch():
+  try:
+    import torch
+  except ImportError as e:  # pragma: no cover (the test extra has torch)
+    raise NotImplementedError(
+        "the Triton kernels run without a GPU only in Triton's interpreter, "
+        "which needs torch; install jaxattn[torch] or use "
+        "implementation='reference'") from e
+  return torch
+
+
+def _torch_dtype(dtype):
+  torch = _torch()
+  return {
+      "float16": torch.float16, "bfloat16": torch.bfloat16,
+      "float32": torch.float32, "int8": torch.int8, "uint8": torch.uint8,
+      "int16": torch.int16, "int32": torch.int32, "int64": torch.int64,
+      "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+      "bool": torch.bool,
+  }[np.dtype(dtype).name]
+
+
+def _to_torch(x: np.ndarray):
+  """A CPU tensor with ``x``'s values (bfloat16 / float8 by their bits)."""
+  torch = _torch()
+  x = np.ascontiguousarray(x)
+  name = x.dtype.name
+  if name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+    bits = x.view(np.int16 if name == "bfloat16" else np.uint8)
+    return torch.from_numpy(bits.copy()).view(_torch_dtype(x.dtype))
+  return torch.from_numpy(x.copy())
+
+
+def _to_numpy(t, dtype):
+  dtype = np.dtype(dtype)
+  torch = _torch()
+  if dtype.name in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+    bits = torch.int16 if dtype.name == "bfloat16" else torch.uint8
+    return t.view(bits).numpy().view(dtype)
+  return t.numpy()
+
+
+def _poisoned(shape: jax.ShapeDtypeStruct):
+  torch = _torch()
+  dtype = np.dtype(shape.dtype)
+  t = torch.empty(shape.shape, dtype=_torch_dtype(dtype))
+  if jnp.issubdtype(dtype, jnp.floating):
+    t.fill_(float("nan"))
+  elif dtype == np.bool_:
+    t.fill_(True)
+  else:
+    t.fill_(int(np.iinfo(dtype).min))
+  return t
+
+
+@contextlib.contextmanager
+def _interpreted(modules):
+  """Every ``@triton.jit`` function of ``modules`` (Triton's language and
+  the kernel's own module) as an interpreted function while the kernel
+  runs: ``tl.max``, ``tl.sum`` and the kernel's helpers are ``JITFunction``
+  objects unless Triton was imported in interpret mode, and the
+  interpreter can only call interpreted ones."""
+  import triton.language as tl
+  from triton.runtime import interpreter
+  from triton.runtime.interpreter import InterpretedFunction
+  from triton.runtime.jit import JITFunction
+  saved = []
+  builder = interpreter.interpreter_builder
+  dot = builder.create_dot
+
+  def create_dot(a, b, d, *rest):
+    # The interpreter keeps bfloat16 as its bits (numpy has no bfloat16)
+    # and would multiply the bits: widen them to float32 (exact products).
+    widen = lambda x: interpreter.TensorHandle(
+        (x.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+    if a.dtype == tl.bfloat16:
+      a = widen(a)
+    if b.dtype == tl.bfloat16:
+      b = widen(b)
+    return dot(a, b, d, *rest)
+
+  try:
+    saved.append((builder, "create_dot", dot))
+    builder.create_dot = create_dot
+    for mod in modules:
+      for name, value in list(vars(mod).items()):
+        if isinstance(value, JITFunction):
+          saved.append((mod, name, value))
+          setattr(mod, name, InterpretedFunction(value.fn))
+    yield
+  finally:
+    for mod, name, value in saved:
+      setattr(mod, name, value)
+
+
+def _run_interpreted(kernel, grid, args, constexprs):
+  import triton  # noqa: F401
+  # (gluon's module asserts at import that its helpers are jitted; import
+  # it before they are swapped for interpreted ones)
+  import triton.experimental.gluon.language  # noqa: F401
+  from triton.runtime.interpreter import InterpretedFunction
+  fn = getattr(kernel, "fn", kernel)
+  modules = [m for n, m in list(sys.modules.items())
+             if n == "triton.language" or n.startswith("triton.language.")]
+  modules.append(sys.modules[fn.__module__])
+  with _LOCK, _interpreted(modules):
+    InterpretedFunction(fn)[grid](*args, **constexprs)
