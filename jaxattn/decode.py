@@ -763,8 +763,9 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   the compute dtype (PASA: ``fl16(q * scale)``), scores ``(q_c K_c^T)_f32
   * k_scale * c`` in base 2 (PASA: rounded to float16 first), the masks of
   :func:`decode_attention`, a float32 softmax, ``P`` times V's per-token
-  scale rounded to the compute dtype against V's stored values (exact in
-  float16), float32 accumulation.  A
+  scale over the row's largest, rounded to the compute dtype, against V's
+  stored values (exact in float16), float32 accumulation, times that
+  largest scale.  A
   :class:`PagedKVCache` (with ``page_indices``) is gathered first
   (:func:`paged_to_dense`): the same arithmetic on the same bits.  Returns
   float32 ``[B, T, N, D]``."""
@@ -808,14 +809,22 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   p = jnp.exp2(s - jnp.where(m == -jnp.inf, 0.0, m))
   l = p.sum(-1)
   stored = (cols < lengths[:, None])[:, None, :]                # [B, 1, S]
-  if cache.v_scale is not None:   # V's per-token scale on P's columns
-    p = p * jnp.where(stored, cache.v_scale, 0.0)[:, :, None, None, :]
+  v_max = None
+  if cache.v_scale is not None:
+    # V's per-token scale on P's columns, relative to the row's largest
+    # (P keeps float16's range), which multiplies the output
+    vs = jnp.where(stored, cache.v_scale, 0.0)                  # [B, K, S]
+    v_max = vs.max(axis=-1)                                     # [B, K]
+    inv = jnp.where(v_max > 0, 1.0 / jnp.where(v_max > 0, v_max, 1.0), 0.0)
+    p = p * (vs * inv[..., None])[:, :, None, None, :]
   v = jnp.where(stored[..., None], cache.v.astype(cdt), 0.0)
   o = jnp.einsum("bkgts,bksd->bkgtd", p.astype(cdt), v.astype(cdt),
                  preferred_element_type=f32,
                  precision=jax.lax.Precision.HIGHEST)
   o = jnp.where(l[..., None] > 0, o / jnp.where(l > 0, l, 1.0)[..., None],
                 0.0)
+  if v_max is not None:
+    o = o * v_max[:, :, None, None, None]
   return o.transpose(0, 3, 1, 2, 4).reshape(b, t, n, d)
 
 

@@ -325,3 +325,24 @@ def test_flax_greedy_generation_matches_float32():
   np.testing.assert_array_equal(np.asarray(tok), np.asarray(tok_ref))
   assert float(jnp.abs(logit - logit_ref).max()) < 0.08
   del flax
+
+
+@pytest.mark.parametrize("method", ["int8", "fp8", "sage"])
+def test_long_rows_keep_the_value_scale_in_p_out_of_subnormals(method):
+  """32k keys with near-uniform attention and small values (std 1e-4):
+  V's scale (amax / 127 ~ 3e-6) on P would put P V's float16 operand among
+  float16's subnormals (relative error 1.3e-2 measured so); the reference
+  (the kernel's arithmetic) scales P by V's scale over the row's largest
+  instead: within float16 P's error of float32 attention (2.4e-4)."""
+  b, s, nk, n, d = 1, 32768, 1, 2, 32
+  k = _normal(0, (b, s, nk, d)) * 0.05       # flat scores
+  v = _normal(1, (b, s, nk, d)) * 1e-4
+  cache = decode.KVCache.create(b, s, nk, d, method=method)
+  cache = _append(cache, k, v, jnp.zeros(b, jnp.int32), jnp.array([s]))
+  q = _normal(2, (b, 1, n, d))
+  lengths = jnp.array([s])
+  ref = decode.decode_attention(q, cache, lengths, method=method,
+                                implementation="reference")
+  kd, vd = cache.dequantize()
+  exact = decode.float_reference(q, kd, vd, lengths)
+  assert float(jnp.linalg.norm(ref - exact) / jnp.linalg.norm(exact)) < 1e-3
