@@ -623,13 +623,18 @@ class PasaOperands:
   """What the PASA kernels take (:func:`pasa_operands`).
 
   Attributes:
-    k: float16 shifted keys ``[B, S_pad, K, D]`` times ``key_factor``
-      (``S_pad`` a whole number of ``block_k`` blocks; ``scale_in_keys``
-      None counts as True: the callers settle it per call,
-      :func:`jaxattn.pasa.with_key_factor`).
-    v: V without NaN/Inf (copied only when it holds one).
+    k: float16 shifted keys ``[B, S_pad, K, D]`` times the keys' factor
+      ``p`` (:func:`jaxattn.pasa.key_factor`; ``S_pad`` a whole number of
+      ``block_k`` blocks).
+    v: V with NaN/Inf set to 0.
     inva: the kernels' constant ``fl16(beta / (1 - beta))``.
-    exp_scale: ``scale / key_factor``: the exponent's factor on ``S'``.
+    exp_scale: ``scale / p``, the exponent's factor on ``S'``, where ``p``
+      is static; where the call chooses it on the device, the softmax
+      scale (``p = 1``'s), which ``exp_factor`` multiplies.
+    exp_factor: None (``p`` static), or the float32 scalar ``1 / p``, a
+      power of two, chosen on the device
+      (:func:`jaxattn.pasa.with_key_factor`): the exponent's factor is
+      ``exp_scale * exp_factor``, which the kernels take at run time.
     shifted: float32 ``[B, K, S_pad / block_k]``, 1 for a shifted block and
       0 for one the adaptive shift left; None without the adaptive shift.
     bad_kv: bool ``[B, S, K]``, the keys whose key or value held a NaN/Inf.
@@ -640,17 +645,27 @@ class PasaOperands:
   exp_scale: float
   shifted: jax.Array | None
   bad_kv: jax.Array
+  exp_factor: jax.Array | None = None
 
 
-def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
+def pasa_operands(k, v, kv_lens, *, scale: float, config,
+                  scale_in_keys=None) -> PasaOperands:
   """The PASA kernels' operands: :func:`jaxattn.pasa.shift_keys` of every
   head in one kernel (:func:`pallas_kernels.key_shift.shifted_key_blocks`;
   the same values but for a rare one-ulp move where float32 accumulation
-  order differs), with NaN/Inf keys counted as 0, and V copied without
-  NaN/Inf only when it holds one (:mod:`jaxattn.nonfinite`).
+  order differs), with NaN/Inf keys counted as 0, and V with NaN/Inf set
+  to 0 (:mod:`jaxattn.nonfinite`).
 
   Args: k, v ``[B, S, K, D]``; kv_lens int32 ``[B]``; config a
-  :class:`jaxattn.pasa.PasaConfig` with float16 ``compute_dtype``.
+  :class:`jaxattn.pasa.PasaConfig` with float16 ``compute_dtype``;
+  scale_in_keys: the call's choice of the keys' factor, a bool or a bool
+  scalar array (:func:`jaxattn.pasa.with_key_factor`); None:
+  ``config.scale_in_keys`` (None as True).
+
+  V is copied whatever it holds: a copy only where it holds a NaN/Inf
+  took a ``lax.cond``, whose predicate the host waits for.  The copy is
+  one write of V (``B S K D`` float16 values, 134 MB at 2 x 8192 x 32 x
+  128), in the pass that reads V for its flags anyway.
   """
   if jnp.dtype(config.compute_dtype) != jnp.float16:
     raise ValueError("the PASA kernels compute in float16; use "
@@ -658,7 +673,11 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
                      f"{config.compute_dtype}")
   beta = config.resolved_beta
   adaptive = config.adaptive_shift
-  factor = pasa.key_factor(scale, adaptive, config.scale_in_keys)
+  if scale_in_keys is None:
+    scale_in_keys = config.scale_in_keys
+  # p: a Python float, or a float32 scalar chosen on the device
+  factor = pasa.key_factor_value(scale, adaptive, scale_in_keys)
+  static = not isinstance(factor, jax.Array)
   shift = (key_shift.large_mean_blocks(k, kv_lens, beta=beta,
                                        min_ratio=pasa.SHIFT_MIN_RATIO,
                                        block_k=config.block_k)
@@ -668,9 +687,12 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config) -> PasaOperands:
       rounding=config.key_rounding, flag_nonfinite=True, shift=shift)
   bad_v = nonfinite.row_flags(v)
   return PasaOperands(
-      k=k_shifted, v=nonfinite.finite_if(bad_v, v),
+      k=k_shifted, v=nonfinite.finite(v),
       inva=float(np.float16(beta / (1.0 - beta))),
-      exp_scale=scale / factor, shifted=shift, bad_kv=bad_k | bad_v)
+      exp_scale=scale / factor if static else scale,
+      exp_factor=None if static else pasa.key_factor_value(
+          scale, adaptive, scale_in_keys, lambda p: 1.0 / p),
+      shifted=shift, bad_kv=bad_k | bad_v)
 
 
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,

@@ -49,7 +49,12 @@ Algorithm 1 (``state_dtype="float16"``, ``key_rounding="nearest"``):
   ``2^-14 / p`` to float16 subnormals; where a bound from the call's Q and
   K row norms (:func:`unscaled_keys_fit`) shows that no score can reach
   float16's limit with ``p = 1``, the keys stay exact and the exponent
-  takes the whole ``scale`` (:func:`with_key_factor`, one ``lax.cond``).
+  takes the whole ``scale`` (:func:`with_key_factor`).  The choice is
+  made on the device, without a ``lax.cond`` (whose predicate the host
+  would wait for): ``p`` is a float32 scalar, 1 or the power of two, that
+  the key kernel multiplies the keys by, and the attention kernels take
+  the exponent's factor ``scale / p`` as a runtime scalar, so one kernel
+  of each serves both choices (:func:`key_factor_value`).
 * ``online_softmax="running"``: FlashAttention-2's form of the online
   softmax, ``P = exp(scale/p S' + dm_j - m_j)`` against the running max
   (which the corrections move), where Algorithm 1 takes ``exp(S' - m')``
@@ -85,7 +90,6 @@ Decisions beyond the paper (documented in the README):
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 
 import jax
@@ -315,6 +319,41 @@ def key_factor(scale: float, adaptive: bool,
                                           / (1.0 + SHIFT_MIN_RATIO))))
 
 
+# The softmax scales for which the keys' factor may be chosen on the
+# device: there every constant the kernels derive from ``scale / p``
+# (``scale / p * log2 e``, ``p / scale``, ``scale / p * inva``) is a
+# float32 normal number for ``p = 1`` and for the power of two, so that
+# multiplying the ``p = 1`` constant by ``1 / p`` at run time gives the
+# static constant of either choice bit for bit.  Outside it (no real
+# call) the keys keep the scale.
+RUNTIME_FACTOR_SCALES = (2.0 ** -100, 2.0 ** 100)
+
+
+def _is_static(scale_in_keys) -> bool:
+  return scale_in_keys is None or isinstance(scale_in_keys, (bool, np.bool_))
+
+
+def key_factor_value(scale: float, adaptive: bool, scale_in_keys=True,
+                     f=None, dtype=jnp.float32):
+  """``f(p)`` (default ``p``) of the keys' factor ``p =
+  key_factor(scale, adaptive, scale_in_keys)``.  ``scale_in_keys`` a bool,
+  None (as True) or a bool scalar array, the call's choice made on the
+  device (:func:`with_key_factor`): for a static choice the Python float
+  ``f(p)`` itself (the caller rounds it as before); for an array a
+  ``dtype`` scalar, ``where(scale_in_keys, f(p), f(1))`` with each
+  candidate computed in float64 and rounded to ``dtype`` as its static
+  value is, so that the result is bit for bit the static one of either
+  choice."""
+  f = (lambda p: p) if f is None else f
+  if _is_static(scale_in_keys):
+    return f(key_factor(scale, adaptive, scale_in_keys))
+  dt = base.as_numpy_dtype(dtype)
+  scaled = np.asarray(f(key_factor(scale, adaptive, True)), np.float64)
+  unscaled = np.asarray(f(key_factor(scale, adaptive, False)), np.float64)
+  return jnp.where(jnp.asarray(scale_in_keys, bool), scaled.astype(dt),
+                   unscaled.astype(dt))
+
+
 def fill_blocks(kb, valid, axis=-2):
   """Key blocks ``kb`` (keys of a block along ``axis``, channels last) with
   the keys where ``valid`` (broadcastable) is False replaced by the mean of
@@ -355,33 +394,42 @@ def unscaled_keys_fit(q_norm, k_norm, beta: float) -> jax.Array:
           & (k_bound <= UNSCALED_SCORE_LIMIT))
 
 
-def with_key_factor(run, q_norm, k_norm, config, *, has_bias=False):
-  """``run(config)`` with ``config.scale_in_keys`` settled for the call:
-  as given, or (None, with the adaptive shift) ``lax.cond`` on
-  :func:`unscaled_keys_fit` of the largest row norms of Q and K in the
-  compute dtype (:func:`jaxattn.base.max_row_norm`) between
-  ``scale_in_keys=False`` and ``True``.  The choice is per call (per
-  shard under sharding, so a row's last bits can depend on the other rows
-  of its call): ``run`` is traced once for each.  Algorithm 1's per-block
-  softmax adds a bias to ``S'`` in float16 in units of ``p / scale``, which
-  ``p = 1`` would make ``1 / scale`` times larger: with a bias it keeps
-  the scale (True)."""
-  settle = lambda x: dataclasses.replace(config, scale_in_keys=x)
+def with_key_factor(run, q_norm, k_norm, config, *, scale: float,
+                    has_bias=False):
+  """``run(scale_in_keys)`` with the call's choice of the keys' factor:
+  ``config.scale_in_keys`` where given; else (None, with the adaptive
+  shift) the bool scalar array ``~unscaled_keys_fit(...)`` of the largest
+  row norms of Q and K in the compute dtype
+  (:func:`jaxattn.base.max_row_norm`), decided on the device: ``run``
+  is traced once, and passes it on as a runtime scalar
+  (:func:`key_factor_value`; the kernels multiply the keys by ``p`` and
+  take the exponent's factor ``scale / p`` at run time), where a
+  ``lax.cond`` between two traced paths would make the host wait for its
+  predicate and compile every kernel twice.  The choice is per call (per
+  shard under sharding, so a row's last bits can depend on the other
+  rows of its call).  True (the scale in the keys) without the adaptive
+  shift, for a ``scale`` outside :data:`RUNTIME_FACTOR_SCALES`, and for
+  Algorithm 1's per-block softmax with a bias, which it adds to ``S'`` in
+  float16 in units of ``p / scale``: ``p = 1`` would make it ``1 / scale``
+  times larger."""
   if config.scale_in_keys is not None:
-    return run(config)
-  if not config.adaptive_shift or (has_bias and not config.running_softmax):
-    return run(settle(True))
-  return jax.lax.cond(
-      unscaled_keys_fit(q_norm, k_norm, config.resolved_beta),
-      lambda: run(settle(False)), lambda: run(settle(True)))
+    return run(config.scale_in_keys)
+  lo, hi = RUNTIME_FACTOR_SCALES
+  if (not config.adaptive_shift or (has_bias and not config.running_softmax)
+      or not lo <= abs(scale) <= hi):
+    return run(True)
+  return run(jnp.logical_not(
+      unscaled_keys_fit(q_norm, k_norm, config.resolved_beta)))
 
 
 def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
                compute_dtype, key_rounding: str, adaptive: bool = False,
-               scale_in_keys: bool | None = True):
+               scale_in_keys=True):
   """PASA's key pre-processing: ``K'_j = p * (M^T K_j)`` per key block
-  (``p = key_factor(scale, adaptive, scale_in_keys)``); with ``adaptive``
-  a block that :func:`block_shifted` leaves is ``p K_j``, exact.
+  (``p = key_factor(scale, adaptive, scale_in_keys)``; ``scale_in_keys``
+  may be a bool scalar array, the call's choice on the device,
+  :func:`key_factor_value`); with ``adaptive`` a block that
+  :func:`block_shifted` leaves is ``p K_j``, exact.
 
   Args:
     k: ``[S, D]`` keys of one head.
@@ -395,7 +443,8 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
   """
   cd = jnp.dtype(compute_dtype)
   acc = jnp.float64 if cd == jnp.float64 else jnp.float32
-  p = key_factor(scale, adaptive, scale_in_keys)
+  p = key_factor_value(scale, adaptive, scale_in_keys, dtype=acc)
+  p_cd = key_factor_value(scale, adaptive, scale_in_keys, dtype=cd)
   kb = base.key_blocks(k.astype(cd), block_k)
   rows = jnp.arange(kb.shape[0] * block_k).reshape(kb.shape[0], block_k, 1)
   kb = fill_blocks(kb, rows < jnp.minimum(kv_len, k.shape[0]))
@@ -404,22 +453,26 @@ def shift_keys(k, kv_len, *, beta: float, scale: float, block_k: int,
   if key_rounding == "sum_preserving" and cd != acc:
     out = _sum_preserving_round(shifted * jnp.asarray(p, acc), cd)
   else:
-    out = (shifted.astype(cd) * jnp.asarray(p, cd)).astype(cd)
+    out = (shifted.astype(cd) * jnp.asarray(p_cd, cd)).astype(cd)
   if not adaptive:
     return out, jnp.ones(out.shape[0], bool)
   moved = block_shifted(kb, beta)
   return (jnp.where(moved[:, None, None], out,
-                    (kb.astype(acc) * p).astype(cd)), moved)
+                    (kb.astype(acc) * jnp.asarray(p, acc)).astype(cd)),
+          moved)
 
 
 def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
-              shared=None, return_lse=False):
+              shared=None, return_lse=False, scale_in_keys=None):
   """One head of PASA (see the module docstring for the equations).
 
   Args:
     q: ``[T, D]``; k: ``[S, D]``; v: ``[S, Dv]``, any float dtype (converted
       to the compute dtype, float16 by default, as the paper prescribes for
       bfloat16).
+    scale_in_keys: the call's choice of the keys' factor
+      (:func:`with_key_factor`: a bool, or a bool scalar array decided on
+      the device); None: ``config.scale_in_keys`` (None as True).
   Returns:
     ``[T, Dv]`` holding the compute-dtype result, in float32 (float64 when
     computing in float64).
@@ -435,10 +488,20 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   bk = config.block_k
   inva = jnp.asarray(np.asarray(beta / (1.0 - beta), np.float64)
                      .astype(base.as_numpy_dtype(cd)), sd)
+  if scale_in_keys is None:
+    scale_in_keys = config.scale_in_keys
+  static = _is_static(scale_in_keys)
   # S' is in units of the keys' factor p; the exponent takes scale / p
-  res = scale / key_factor(scale, config.adaptive_shift,
-                           config.scale_in_keys)
-  exp = functools.partial(base.exp_f32, acc=acc, scale=res)
+  # (a Python float, or with the choice made on the device a scalar of
+  # ``dtype`` equal to the static value of either choice)
+  of_res = lambda f, dtype: key_factor_value(
+      scale, config.adaptive_shift, scale_in_keys,
+      lambda p: f(scale / p), dtype)
+  res = of_res(lambda r: r, sd)          # scale / p
+  res_acc = of_res(lambda r: r, acc)
+  # exp(res x) as base.exp_f32 takes it: exp2(x fl(res log2 e))
+  exp_factor = of_res(lambda r: r * base.LOG2E, acc)
+  exp = lambda x: jnp.exp2(x.astype(acc) * jnp.asarray(exp_factor, acc))
   q, v = q.astype(cd), v.astype(cd)
   t, dv = q.shape[0], v.shape[-1]
   xs = base.block_inputs(k, v, bias, mask, kv_len, t=t, block_k=bk,
@@ -446,7 +509,7 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
   xs["k"], xs["shifted"] = shift_keys(
       k, kv_len, beta=beta, scale=scale, block_k=bk, compute_dtype=cd,
       key_rounding=config.key_rounding, adaptive=config.adaptive_shift,
-      scale_in_keys=config.scale_in_keys)
+      scale_in_keys=scale_in_keys)
 
   def block_scores(x):
     """Steps 1-2's inputs: ``Sbar'``, the float32 product's row mean over
@@ -500,7 +563,11 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     m, l, o, f, count = carry
     s_mean, s = block_scores(x)
     if "bias" in x:
-      b = x["bias"] if res == 1.0 else x["bias"] * jnp.float32(1.0 / res)
+      if static:
+        b = (x["bias"] if res == 1.0
+             else x["bias"] * jnp.float32(1.0 / res))
+      else:   # (times 1.0 where p = 1: the same bits)
+        b = x["bias"] * of_res(lambda r: 1.0 / r, jnp.float32)
       s = s + b.astype(cd)
     s = base.visible_scores(s, x["visible"])
     m_loc = s.max(axis=-1)                                   # step 1
@@ -537,8 +604,10 @@ def pasa_head(q, k, v, bias, mask, kv_len, *, scale, is_causal, config,
     # Scores are relative to the common reference beta F / (1 - beta) (m in
     # units of p in the per-block form).
     lse = jnp.log(l.astype(acc)) + (
-        m.astype(acc) + res * inva.astype(acc) * f.astype(acc) if running
-        else res * (m.astype(acc) + inva.astype(acc) * f.astype(acc)))
+        m.astype(acc) + jnp.asarray(res_acc, acc) * inva.astype(acc)
+        * f.astype(acc) if running
+        else jnp.asarray(res_acc, acc) * (m.astype(acc)
+                                          + inva.astype(acc) * f.astype(acc)))
     return out.astype(out_dtype), jnp.where(l == 0, -jnp.inf, lse).astype(
         out_dtype)
   return out.astype(out_dtype)
@@ -552,12 +621,13 @@ def reference(q, k, v, bias, mask, kv_lens, *, config, **options):
   call (:func:`with_key_factor`) as the kernels choose it."""
   cd = jnp.dtype(config.compute_dtype)
   return with_key_factor(
-      lambda c: _heads(q, k, v, bias, mask, kv_lens, config=c, **options),
+      lambda sik: _heads(q, k, v, bias, mask, kv_lens, config=config,
+                         scale_in_keys=sik, **options),
       base.max_row_norm(q.astype(cd)), base.max_row_norm(k.astype(cd)),
-      config, has_bias=bias is not None)
+      config, scale=options["scale"], has_bias=bias is not None)
 
 
 __all__ = ["PasaConfig", "optimal_beta", "shifting_matrix", "key_factor",
-           "unscaled_keys_fit", "with_key_factor",
+           "key_factor_value", "unscaled_keys_fit", "with_key_factor",
            "fill_blocks", "block_shifted", "shift_keys",
            "pasa_head", "reference"]

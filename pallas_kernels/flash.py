@@ -18,7 +18,9 @@ the shifting matrix and scaled by a factor ``p`` (PASA's batched-GEMM
 pre-processing), ``scale`` is ``fl16(beta / (1 - beta))``, the exponent's
 factor on ``S'`` is ``pasa_exp_scale = softmax scale / p``, and with the
 adaptive shift a 0/1 weight per key block says which blocks were shifted
-(an unshifted one adds no ``Sbar'`` to ``F``).
+(an unshifted one adds no ``Sbar'`` to ``F``).  Where ``p`` is chosen per
+call on the device, the exponent's factor is a runtime scalar
+(``pasa_exp_factor``): one compiled kernel for either choice.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -61,7 +64,7 @@ def default_params(precision: str, head_dim: int) -> common.KernelParams:
 def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
                   precision, block_q, block_k, has_segments, has_bias,
                   has_mask, return_lse, state_dtype, pasa_exp_scale,
-                  has_shifted, pasa_running):
+                  has_shifted, pasa_running, runtime_exp):
   """One query block of one head.
 
   q_ref ``[block_q, D]``; k_ref, v_ref ``[S_pad, D]`` (PASA: shifted keys);
@@ -76,8 +79,12 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   Algorithm 1; ``S'`` and ``P`` are float16 either way); ``pasa_running``:
   its online softmax in FlashAttention-2's form (``"fp16_fp32"``'s code,
   the running max moved by PASA's corrections), else Algorithm 1's.
+  ``runtime_exp``: PASA's exponent constants come from a float32 ``[4]``
+  operand after ``range_ref`` (:func:`_pasa_exp_constants`) instead of
+  ``pasa_exp_scale``.
   """
   refs = list(refs)
+  exp_ref = refs.pop(0) if runtime_exp else None
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None, None))
   bias_ref = refs.pop(0) if has_bias else None
@@ -96,6 +103,15 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   # the factor from the scores (PASA: S', in units of the keys' factor) to
   # the exponent's argument, natural log
   s_unit = pasa_exp_scale if is_pasa else scale
+  # the constants derived from it: the base-2 factor, its inverse for a
+  # bias, and PASA's log-sum-exp factors (Python floats, or read from the
+  # operand: the same float32 values)
+  if runtime_exp:
+    c_exp, inv_unit, lse_running, lse_unit = (exp_ref[x] for x in range(4))
+  else:
+    c_exp, inv_unit, lse_running, lse_unit = _pasa_exp_constants(
+        s_unit, scale) if is_pasa else (s_unit * LOG2E, 1.0 / s_unit, None,
+                                         None)
   i = pl.program_id(0)
   bounds = tuple(bounds_ref[c] for c in range(4))
   q = q_ref[...]
@@ -105,8 +121,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
   def div(a, b):  # correctly rounded (no float16 division in Triton)
     return (a.astype(f32) / b.astype(f32)).astype(a.dtype)
 
-  # exp(scale / p * x), as jaxattn.pasa.pasa_head takes it
-  exp_pasa = functools.partial(common.exp_f32, scale=pasa_exp_scale)
+  # exp(scale / p * x), as jaxattn.pasa.pasa_head takes it (as
+  # common.exp_f32: exp2(x fl(scale / p log2 e)))
+  exp_pasa = lambda x: jnp.exp2(x.astype(f32) * c_exp)
 
   def corrections(j, s_mean, seen, f, count):
     """PASA steps 3-4 (:func:`jaxattn.pasa.pasa_head`): the new ``F`` and
@@ -145,9 +162,9 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     if has_bias:
       b = bias_ref[:, ks]
       if base2:
-        b = b * (1.0 / s_unit)
-      elif is_pasa and pasa_exp_scale != 1.0:   # S' is in units of p
-        b = b * jnp.float32(1.0 / pasa_exp_scale)
+        b = b * inv_unit
+      elif is_pasa and (runtime_exp or pasa_exp_scale != 1.0):
+        b = b * inv_unit           # S' is in units of p
       s = s + b.astype(s.dtype)
     visible = None
     if masked:
@@ -158,7 +175,7 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
           mask=mask_ref[:, ks] if has_mask else None)
       s = jnp.where(visible, s, -jnp.inf)
     v = v_ref[ks, :]
-    c = s_unit * LOG2E
+    c = c_exp
     if not is_pasa or running:
       if base2:
         s = s * c
@@ -234,22 +251,44 @@ def _flash_kernel(q_ref, k_ref, v_ref, bounds_ref, range_ref, *refs, scale,
     lf = jnp.log(safe_l.astype(f32))
     if running:   # relative to beta F / (1 - beta), as m
       lse = (m.astype(f32) / LOG2E
-             + jnp.float32(pasa_exp_scale * scale) * f.astype(f32) + lf)
+             + lse_running * f.astype(f32) + lf)
     elif base2:
       lse = m.astype(f32) / LOG2E + lf
     elif is_pasa:
-      lse = (jnp.float32(pasa_exp_scale)
+      lse = (lse_unit
              * (m.astype(f32) + jnp.float32(scale) * f.astype(f32)) + lf)
     else:
       lse = m.astype(f32) + lf
     lse_ref[...] = jnp.where(empty, -jnp.inf, lse)
 
 
+def _pasa_exp_constants(exp_scale: float, inva: float):
+  """PASA's constants from the exponent's factor ``exp_scale`` on ``S'``
+  (``scale / p``), as float32: ``exp_scale log2 e`` (the base-2 factor),
+  ``1 / exp_scale`` (a bias in the units of ``S'``), ``exp_scale inva``
+  and ``exp_scale`` (the log-sum-exp's), each rounded once from float64."""
+  return tuple(np.float32(x) for x in (
+      exp_scale * LOG2E, 1.0 / exp_scale, exp_scale * inva, exp_scale))
+
+
+def _runtime_exp_constants(exp_scale: float, inva: float, factor):
+  """:func:`_pasa_exp_constants` of ``exp_scale * factor`` at run time, for
+  a float32 scalar ``factor`` that is a power of two: each static constant
+  times ``factor`` (or ``1 / factor``), exact where they stay float32
+  normal numbers (:data:`jaxattn.pasa.RUNTIME_FACTOR_SCALES`), so that
+  the kernel computes what it would with ``exp_scale * factor`` as its
+  constant.  float32 ``[4]``."""
+  factor = jnp.asarray(factor, jnp.float32).reshape(())
+  c, inv, lse_running, lse_unit = _pasa_exp_constants(exp_scale, inva)
+  return jnp.stack([c * factor, inv / factor, lse_running * factor,
+                    lse_unit * factor])
+
+
 def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
                     is_causal, precision, params, return_lse=False,
                     state_dtype=jnp.float16, index_mask=None,
                     pasa_exp_scale=1.0, pasa_shifted=None,
-                    pasa_running=False):
+                    pasa_running=False, pasa_exp_factor=None):
   """Batched flash attention through the kernel.
 
   Args:
@@ -263,6 +302,13 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       is PASA's Algorithm 1; float32 its default allocation).
     pasa_exp_scale: ``"pasa"`` only: the softmax scale over the keys'
       factor (the exponent's factor on ``S'``).
+    pasa_exp_factor: ``"pasa"`` only: None, or a float32 scalar array, a
+      power of two, by which ``pasa_exp_scale`` is multiplied at run time
+      (``1 / p`` for keys' factor ``p`` chosen per call on the device;
+      ``pasa_exp_scale`` is then the softmax scale): the kernel reads its
+      constants from an operand, one compiled kernel for any factor, and
+      computes what it would with ``pasa_exp_scale * pasa_exp_factor`` as
+      its constant.
     pasa_shifted: ``"pasa"`` only: float32 ``[B, K, S_pad / block_k]``, 1
       for the shifted key blocks, 0 for those the adaptive shift left (in
       ``params.block_k`` blocks), or None (every block shifted).
@@ -301,7 +347,13 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
   bounds, ranges, segments = common.index_operands(
       kv_lens, index_mask, t=t, s=s_len, is_causal=is_causal, t_pad=t_pad,
       s_pad=s_pad, block_q=bq, block_k=bk, has_mask=mask is not None)
-  args = [q, k, v, bounds, ranges, *segments]
+  runtime_exp = pasa_exp_factor is not None
+  if runtime_exp and precision != "pasa":
+    raise ValueError("pasa_exp_factor is PASA's (precision='pasa')")
+  exp_args = ([_runtime_exp_constants(float(pasa_exp_scale), float(scale),
+                                      pasa_exp_factor)]
+              if runtime_exp else [])
+  args = [q, k, v, bounds, ranges, *exp_args, *segments]
   in_specs = [
       pl.BlockSpec((None, bq, None, d_pad), lambda i, bi, h: (bi, i, h, 0)),
       pl.BlockSpec((None, s_pad, None, d_pad),
@@ -311,6 +363,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       pl.BlockSpec((None, 4), lambda i, bi, h: (bi, 0)),
       pl.BlockSpec((None, None, 4), lambda i, bi, h: (bi, i, 0)),
   ]
+  if runtime_exp:
+    in_specs.append(pl.BlockSpec((4,), lambda i, bi, h: (0,)))
   if segments:
     in_specs += [pl.BlockSpec((None, bq), lambda i, bi, h: (bi, i)),
                  pl.BlockSpec((None, s_pad), lambda i, bi, h: (bi, 0))]
@@ -338,7 +392,8 @@ def flash_attention(q, k, v, kv_lens, bias=None, mask=None, *, scale,
       has_mask=mask is not None, return_lse=return_lse,
       state_dtype=jnp.dtype(state_dtype).name,
       pasa_exp_scale=float(pasa_exp_scale),
-      has_shifted=pasa_shifted is not None, pasa_running=bool(pasa_running))
+      has_shifted=pasa_shifted is not None, pasa_running=bool(pasa_running),
+      runtime_exp=runtime_exp)
   outs = pl.pallas_call(
       kernel, grid=(t_pad // bq, b, n), in_specs=in_specs,
       out_specs=out_specs, out_shape=out_shape,

@@ -18,6 +18,10 @@ for the adaptive shift) a block whose flag is 0 is only scaled, ``out_j =
 scale * K_j``: exact when ``scale`` is a power of two, and without the
 rounding's work.
 
+``scale`` is a Python float (a constant of the kernel) or a float32 scalar
+array that the kernel reads at run time (PASA's keys' factor chosen per
+call on the device): the same products either way.
+
 ``sum_preserving`` rounds each element to one of its two float16
 neighbours so that each column's sum over the block stays within about
 half an ulp of ``X_j``'s (:func:`_sum_preserving_round`): the kernels
@@ -140,8 +144,16 @@ def _padded_keys(k, kv_lens, block_k: int):
 
 
 def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
+  """``scale``: the factor, or None where it is the runtime operand that
+  follows ``len_ref`` (float32 ``[1]``)."""
   f32, f16 = jnp.float32, jnp.float16
   refs = list(refs)
+  if scale is None:    # read at run time: the same products as a constant
+    scale_ref = refs.pop(0)
+    scale32 = scale_ref[0]
+    scale16 = scale32.astype(f16)
+  else:
+    scale32, scale16 = np.float32(scale), np.float16(scale)
   shift_ref = refs.pop(0) if has_shift else None
   o_ref = refs.pop(0)
   bad_ref = refs.pop(0) if refs else None
@@ -160,9 +172,9 @@ def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
     x = jax.lax.dot_general(m, kb, (((0,), (0,)), ((), ())),
                             preferred_element_type=f32)   # M^T K_j
     if rounds:
-      out = _sum_preserving_round(x * np.float32(scale), rounds, col0=col0)
+      out = _sum_preserving_round(x * scale32, rounds, col0=col0)
     else:
-      out = x.astype(f16) * np.float16(scale)
+      out = x.astype(f16) * scale16
     o_ref[...] = out.astype(f16)
 
   if shift_ref is None:
@@ -173,7 +185,7 @@ def _kernel(k_ref, len_ref, *refs, diag, off, scale, rounds, has_shift, dc):
 
   @pl.when(jnp.logical_not(moved))
   def _():   # only scaled: exact when scale is a power of two
-    o_ref[...] = (kb.astype(f32) * np.float32(scale)).astype(f16)
+    o_ref[...] = (kb.astype(f32) * scale32).astype(f16)
 
 
 def _large_mean_kernel(k_ref, len_ref, o_ref, *, beta, ratio):
@@ -223,7 +235,7 @@ def large_mean_blocks(k, kv_lens, *, beta: float, min_ratio: float,
   return out[..., 0]
 
 
-def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
+def shifted_key_blocks(k, kv_lens, *, beta: float, scale,
                        block_k: int, rounding: str = "sum_preserving",
                        rounds: int = 2, flag_nonfinite: bool = False,
                        shift=None):
@@ -234,7 +246,11 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
     kv_lens: int32 ``[B]``.
     beta: the shift's weight; ``M``'s entries are ``fl16(1 - beta / n)``
       and ``fl16(-beta / n)``.
-    scale: the factor on the shifted keys.
+    scale: the factor on the shifted keys: a float (a constant of the
+      kernel), or a float32 scalar array read at run time (one compiled
+      kernel for any value; for ``rounding="nearest"`` it must be a
+      float16 value, as a power of two is, since that rounding multiplies
+      in float16).
     block_k: keys per block (a power of two, 16 to 128).
     rounding: ``"nearest"`` or ``"sum_preserving"`` (``rounds`` passes).
     flag_nonfinite: NaN/Inf elements count as 0, and the keys that hold
@@ -261,6 +277,13 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
                       lambda bi, j, h, c: (bi, j, h, c))
   in_specs = [tile, pl.BlockSpec((None, 1), lambda bi, j, h, c: (bi, 0))]
   args = [k, lens]
+  runtime_scale = not isinstance(scale, (int, float, np.floating))
+  if runtime_scale:
+    scale = jnp.asarray(scale, jnp.float32)
+    if scale.shape:
+      raise ValueError(f"scale must be a scalar, got shape {scale.shape}")
+    in_specs.append(pl.BlockSpec((1,), lambda bi, j, h, c: (0,)))
+    args.append(scale.reshape(1))
   out_specs = [tile]
   out_shape = [jax.ShapeDtypeStruct(k.shape, jnp.float16)]
   if shift is not None:
@@ -275,7 +298,8 @@ def shifted_key_blocks(k, kv_lens, *, beta: float, scale: float,
                                   lambda bi, j, h, c: (bi, j, h, c)))
     out_shape.append(jax.ShapeDtypeStruct((b, s_pad, nk, nc), jnp.float32))
   outs = pl.pallas_call(
-      functools.partial(_kernel, diag=diag, off=off, scale=scale,
+      functools.partial(_kernel, diag=diag, off=off,
+                        scale=None if runtime_scale else float(scale),
                         rounds=rounds if rounding == "sum_preserving" else 0,
                         has_shift=shift is not None, dc=dc),
       grid=(b, nb, nk, nc), in_specs=in_specs,

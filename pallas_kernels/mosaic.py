@@ -321,8 +321,9 @@ def _pasa_scores(s, visible, *, block_k, state_dtype, exp_factor):
   row mean over all ``bk`` columns before any mask, ``S'`` rounded to
   float16, its masked row max ``m'``, ``P = fl16(exp(S' - m'))`` and
   ``l' = rowsum exp(S' - m')`` (``S' - m'`` in ``state_dtype``, times
-  ``exp_factor`` in base 2).  Returns ``P`` (float16) and the rows
-  ``(s_mean, m', l', seen)`` in ``state_dtype``."""
+  ``exp_factor`` in base 2: a float, or a row of one value).  Returns
+  ``P`` (float16) and the rows ``(s_mean, m', l', seen)`` in
+  ``state_dtype``."""
   f32, f16 = jnp.float32, jnp.float16
   s_mean = (s.sum(axis=1) * (1.0 / block_k)).astype(state_dtype)
   s = s.astype(f16)
@@ -333,6 +334,8 @@ def _pasa_scores(s, visible, *, block_k, state_dtype, exp_factor):
   m_loc = s.max(axis=1)
   m_ref = jnp.where(m_loc == -jnp.inf, 0.0, m_loc)
   sd = state_dtype
+  if not isinstance(exp_factor, float):
+    exp_factor = lax.broadcast_in_dim(exp_factor, s.shape, [0])
   e = jnp.exp2((s.astype(sd) - lax.broadcast_in_dim(m_ref.astype(sd), s.shape,
                                                      [0])).astype(f32)
                * exp_factor)
@@ -455,7 +458,8 @@ def _log_sum_exp(m, l, empty, *, pv):
 
 def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
             block_q, block_k, stages, warpgroups, masked_steps, group,
-            c_scale, pasa_inva, pasa_running, pasa_state_dtype, f16_scores,
+            c_scale, runtime_c, pasa_inva, pasa_running, pasa_state_dtype,
+            f16_scores,
             has_shifted, has_segments, has_qk_scales, k_scale_per_block,
             has_qbias, bias_rows, has_vbs, prefetch_block_scales,
             has_colsum, has_epilogue, has_nan_rows, p_in_smem, fused_pv,
@@ -470,7 +474,9 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   last key each row sees (:func:`common.row_key_ranges`); with
   ``runtime_exponent`` int32 ``[1]``, nonzero for the exact exponent (both
   forms are compiled and the consumers branch on it; else the static
-  ``exact_exponent`` picks one); optional segment
+  ``exact_exponent`` picks one); with ``runtime_c`` float32 ``[1]``, the
+  exponent's factor read at run time in place of ``c_scale``; optional
+  segment
   ids ``[B, T]`` and ``[B, S]`` int32; optional
   q_scale ``[B, N, T]`` and k_scale float32 (8-bit QK), ``[B, K, S]`` or
   with ``k_scale_per_block`` ``[B, K, ceil(S / block_k)]``;
@@ -490,6 +496,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
   producer = wgs > 1   # else the one warpgroup issues its own loads
   key_range_ref = refs.pop(0)
   exact_ref = refs.pop(0) if runtime_exponent else None
+  c_ref = refs.pop(0) if runtime_c else None
   qseg_ref, kseg_ref = ((refs.pop(0), refs.pop(0)) if has_segments
                         else (None,) * 2)
   qs_ref, ks_ref = (refs.pop(0), refs.pop(0)) if has_qk_scales else (None,) * 2
@@ -621,11 +628,15 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
       acc = plgpu.layout_cast(jnp.full((bq, head_dim), 0.0, stat),
                               plgpu.Layout.WGMMA)
       pasa_state = (row(0.0), row(0.0, f32)) if pasa else ()  # F, count
+      # the factor from the scores to base 2 where no q_scale gives it: the
+      # constant, or read at run time as a row of one value (the form a
+      # row of q_scale factors takes: the same products, op for op)
+      c_rows = row(0.0, f32) + c_ref[0] if runtime_c else c_scale
       # the factor that takes scores to base 2 in the exponent
       if has_qk_scales and not has_qbias:
         exp_factor = q_scale
       else:
-        exp_factor = 1.0 if has_qk_scales else c_scale
+        exp_factor = 1.0 if has_qk_scales else c_rows
       acc_type = jnp.int32 if qk == "int8" else f32
       pv_type = jnp.int32 if pv in ("int8", "uint8") else f32
       plgpu.barrier_wait(own(q_bars))
@@ -697,7 +708,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
                * lax.broadcast_in_dim(k_scale, s.shape, [1]))
           c = 1.0
         else:
-          c = c_scale
+          c = c_rows
           if f16_scores:   # S leaves the matmul unit in float16
             s = s.astype(f16).astype(f32)
         if has_qbias:  # SageAttention's smoothing bias q_mean K^T (base 2)
@@ -827,7 +838,7 @@ def _kernel(q_ref, k_ref, v_ref, tile_ref, *refs, qk, pv,
           pv_blk = pv_blk * loads["v_scale"]()
         if pasa_per_block:
           return _pasa_update(state, block_rows, pv_blk, inva=pasa_inva,
-                              exp_factor=c_scale,
+                              exp_factor=c_rows,
                               weight=loads["weight"]())
         acc, *rest = state
         acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0]) + pv_blk
@@ -1104,6 +1115,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
                      out_shift=None, pasa_inva=None,
                      pasa_state_dtype=jnp.float16, pasa_exp_scale=1.0,
                      pasa_shifted=None, pasa_running=False,
+                     pasa_exp_factor=None,
                      f16_scores=False, v_keys_ordered=False,
                      out_dtype=jnp.float16, exact_exponent=False,
                      return_lse=False, return_row_amax=False,
@@ -1136,6 +1148,13 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       the softmax runs PASA's steps 1-6 (``qk = pv = "fp16"``, float16
       only) with the state in ``pasa_state_dtype`` (float16: Algorithm 1).
     pasa_exp_scale: the softmax scale over the keys' factor (PASA).
+    pasa_exp_factor: None, or a float32 scalar array, a power of two, by
+      which ``pasa_exp_scale`` is multiplied at run time (PASA's ``1 /
+      p`` for the keys' factor ``p`` chosen per call on the device;
+      ``pasa_exp_scale`` is then the softmax scale): the kernel reads the
+      exponent's factor ``fl32(pasa_exp_scale log2 e) * pasa_exp_factor``
+      (exact, the factor a power of two) from an operand, one compiled
+      kernel for any factor, the same products as with the constant.
     pasa_running: PASA's softmax in FlashAttention-2's form (needs the
       float32 state; :attr:`jaxattn.pasa.PasaConfig.online_softmax`).
     f16_scores: ``S`` rounded to float16 as it leaves the matmul
@@ -1228,6 +1247,12 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       raise ValueError(f"exact_exponent is a bool or a bool scalar array, "
                        f"got {exact_exponent.dtype}{exact_exponent.shape}")
     args.append(exact_exponent.astype(jnp.int32).reshape(1))
+  runtime_c = pasa_exp_factor is not None
+  if runtime_c:
+    if pasa_inva is None:
+      raise ValueError("pasa_exp_factor is PASA's (pasa_inva)")
+    args.append((np.float32(float(pasa_exp_scale) * LOG2E)
+                 * jnp.asarray(pasa_exp_factor, jnp.float32)).reshape(1))
   args += segments
   has_qk_scales = qk != "fp16"
   if has_qk_scales and (k_scale is None) == (k_block_scale is None):
@@ -1287,6 +1312,7 @@ def mosaic_attention(q, k, v, kv_lens, *, qk, pv, is_causal, params=None,
       stages=params.stages, warpgroups=wgs, masked_steps=masked_steps,
       group=n // nk,
       c_scale=float(pasa_exp_scale if pasa else scale or 1.0) * LOG2E,
+      runtime_c=runtime_c,
       pasa_inva=float(pasa_inva) if pasa else None,
       pasa_running=bool(pasa_running),
       pasa_state_dtype=jnp.dtype(pasa_state_dtype).name,

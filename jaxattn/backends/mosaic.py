@@ -190,22 +190,27 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
   its softmax in the kernel (``S'``, ``P`` float16, the state in
   ``config.state_dtype``); float16 output.  The running form takes the
   exact exponent where ``fp16_fp32`` would (``|q K'| scale / p`` is ``|q
-  K| scale`` for unshifted keys) or its own scores need it."""
+  K| scale`` for unshifted keys) or its own scores need it.  The keys'
+  factor is chosen per call on the device
+  (:func:`jaxattn.pasa.with_key_factor`): one key kernel and one
+  attention kernel, which take it at run time."""
   del bias, mask
   f16 = jnp.float16
   q = q.astype(f16)
   norms = base.max_row_norm(q), base.max_row_norm(k.astype(f16))
   return pasa.with_key_factor(functools.partial(
-      _pasa_keys, q, k, v, kv_lens, norms, scale=scale, is_causal=is_causal,
-      index_mask=index_mask), *norms, config)
+      _pasa_keys, q, k, v, kv_lens, norms, config=config, scale=scale,
+      is_causal=is_causal, index_mask=index_mask), *norms, config,
+      scale=scale)
 
 
-def _pasa_keys(q, k, v, kv_lens, norms, config, *, scale, is_causal,
-               index_mask):
-  """:func:`_pasa` with ``config.scale_in_keys`` settled."""
+def _pasa_keys(q, k, v, kv_lens, norms, scale_in_keys, *, config, scale,
+               is_causal, index_mask):
+  """:func:`_pasa` with the call's ``scale_in_keys`` (a bool, or a bool
+  scalar array chosen on the device)."""
   f16 = jnp.float16
   ops = operands.pasa_operands(k, v.astype(f16), kv_lens, scale=scale,
-                               config=config)
+                               config=config, scale_in_keys=scale_in_keys)
   # the rows a NaN/Inf key or value reaches are NaN (the kernel writes
   # them; Q's own NaN/Inf propagate through the products)
   reached = nonfinite.rows_reached(
@@ -216,7 +221,8 @@ def _pasa_keys(q, k, v, kv_lens, norms, config, *, scale, is_causal,
       pv="fp16", is_causal=is_causal,
       params=mosaic.MosaicParams(block_k=config.block_k), pasa_inva=ops.inva,
       pasa_state_dtype=config.state_dtype, pasa_exp_scale=ops.exp_scale,
-      pasa_shifted=ops.shifted, out_dtype=f16, index_mask=index_mask,
+      pasa_exp_factor=ops.exp_factor, pasa_shifted=ops.shifted,
+      out_dtype=f16, index_mask=index_mask,
       pasa_running=config.running_softmax, nan_rows=reached)
   # |S' scale / p| = |q . M^T k| scale, and a shifted key's norm is at
   # most (1 + beta) max|k|; with no block shifted this is fp16_fp32's

@@ -89,26 +89,29 @@ def _pasa(q, k, v, bias, mask, kv_lens, *, scale, is_causal, config,
           return_lse=False, index_mask=None):
   """The shifted keys (:func:`jaxattn.operands.pasa_operands`), then the
   kernel; a non-finite query poisons its own row there.  The keys' factor
-  is chosen per call (:func:`jaxattn.pasa.with_key_factor`)."""
+  is chosen per call on the device (:func:`jaxattn.pasa.with_key_factor`):
+  one key kernel and one attention kernel, which take it at run time."""
   f16 = jnp.float16
   return pasa.with_key_factor(functools.partial(
-      _pasa_keys, q, k, v, bias, mask, kv_lens, scale=scale,
+      _pasa_keys, q, k, v, bias, mask, kv_lens, config=config, scale=scale,
       is_causal=is_causal, return_lse=return_lse, index_mask=index_mask),
       base.max_row_norm(q.astype(f16)), base.max_row_norm(k.astype(f16)),
-      config, has_bias=bias is not None)
+      config, scale=scale, has_bias=bias is not None)
 
 
-def _pasa_keys(q, k, v, bias, mask, kv_lens, config, *, scale, is_causal,
-               return_lse, index_mask):
-  """:func:`_pasa` with ``config.scale_in_keys`` settled."""
-  ops = operands.pasa_operands(k, v, kv_lens, scale=scale, config=config)
+def _pasa_keys(q, k, v, bias, mask, kv_lens, scale_in_keys, *, config, scale,
+               is_causal, return_lse, index_mask):
+  """:func:`_pasa` with the call's ``scale_in_keys`` (a bool, or a bool
+  scalar array chosen on the device)."""
+  ops = operands.pasa_operands(k, v, kv_lens, scale=scale, config=config,
+                               scale_in_keys=scale_in_keys)
   outs = flash.flash_attention(
       q, ops.k, ops.v, kv_lens, bias, mask, scale=ops.inva,
       is_causal=is_causal, precision="pasa",
       params=flash_params("pasa", q.shape[-1], config),
       state_dtype=config.state_dtype, return_lse=return_lse,
       index_mask=index_mask, pasa_exp_scale=ops.exp_scale,
-      pasa_shifted=ops.shifted,
+      pasa_exp_factor=ops.exp_factor, pasa_shifted=ops.shifted,
       pasa_running=config.running_softmax)
   out = nonfinite.poison(outs[0] if return_lse else outs,
                          nonfinite.rows_reached(
