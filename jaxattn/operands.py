@@ -2,19 +2,21 @@
 same quantizers for every backend.
 
 :func:`quantized_operands` quantizes Q, K and V for ``method`` ("sage",
-"int8", "fp8") with the references' arithmetic, bit for bit, and lays them
-out the way the kernels take them (:class:`QuantizedOperands`).  Q and K go
-through one Pallas kernel (:func:`pallas_kernels.quantizers.rows_operand`,
-by way of :func:`fused_qk`): each read once after its mean, with per-row
-query scales that fold in ``scale * log2 e`` (the softmax runs in base 2),
-per-key K scales, and SageAttention2's smoothing bias from the same key
-tiles.  The 8-bit V is written once by another
-(:func:`pallas_kernels.quantizers.v_operand`), transposed to ``[B, K, D,
-S]``, beside the per-channel epilogue ``O / l * out_scale + out_shift``.
-fp8's per-head ("tensor") scales take an XLA amax pass first; sage's
-"tensor" granularity keeps the BTNH XLA quantizers (:func:`sage_inputs`,
-:func:`int8_inputs`, :func:`fp8_inputs`, which are also the bit-for-bit
-checks of the Pallas quantizers).
+"int8", "fp8") with the references' arithmetic, bit for bit given the
+same means, and lays them out the way the kernels take them
+(:class:`QuantizedOperands`).  The Triton passes of
+:mod:`pallas_kernels.quantizers` make them in two launches
+(:func:`fused_operands`; :func:`fused_qk` for Q and K alone): the first
+reads the tensors whose statistics the second needs (sage's key sums and
+V's sums, max and min, beside the Q pass with its query-block means;
+INT8's and fp8's per-head amax) and the second quantizes the rest: each
+input read once for its values, Q with per-row scales (``scale * log2
+e``, the softmax in base 2, folded in after), K with per-key scales and
+SageAttention2's smoothing bias from the same key tiles, the 8-bit V
+written transposed to ``[B, K, D, S]`` beside the per-channel epilogue
+``O / l * out_scale + out_shift``.  sage's "tensor" granularity keeps the
+BTNH XLA quantizers (:func:`sage_inputs`, :func:`int8_inputs`,
+:func:`fp8_inputs`, which are also the bit-for-bit checks of the passes).
 
 :func:`fmha_operands` does the same for the 8-bit FMHA (uint8 P against int8
 V through the column-sum identity).
@@ -308,61 +310,184 @@ def _fits_rows_kernel(*groups) -> bool:
   return all(g in (1, 2, 4, 8, 16, 32, 64, 128) for g in groups)
 
 
+def _fits_key_groups(n: int) -> bool:
+  """The V pass scales groups of ``n`` keys itself (and sums int8 blocks of
+  ``n``) where ``n`` is a power of two of at least 16 (whole 16-key chunks
+  of the register-operand order) and at most 256."""
+  return 16 <= n <= 256 and n & (n - 1) == 0
+
+
 def fused_qk(method: str, q, k, kv_lens, *, scale: float,
              config) -> dict | None:
-  """The 8-bit (or int4-valued) Q and K of ``method`` by
-  :func:`quantizers.rows_operand`: each read once, K after its mean (XLA's
-  reduction pass), Q subtracting each query block's mean as the pass reads
-  the block (SageAttention2's smoothing), the SageAttention2 bias from the
-  same key tiles.  The values and scales of :func:`sage_inputs` /
-  :func:`int8_inputs` / :func:`fp8_inputs` bit for bit (for sage's Q, up to
-  the summation order of the query-block means: the kernel's against
-  XLA's; equal on the CPU); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c =
-  scale log2 e`` folded into ``q_m``) to float32 accumulation order.  fp8's
-  per-head ("tensor") scales come from an XLA amax pass first.  None where
-  a granularity does not fit the kernel (sage's "tensor", groups that are
+  """The 8-bit (or int4-valued) Q and K of ``method`` by the Triton passes
+  of :mod:`pallas_kernels.quantizers` (:func:`fused_operands` without V):
+  each read once for its values, K after its mean (the column sums of a
+  first launch that also runs the Q pass), Q subtracting each query
+  block's mean as the pass reads the block (SageAttention2's smoothing),
+  the SageAttention2 bias from the same key tiles.
+
+  The values and scales of :func:`sage_inputs` / :func:`int8_inputs` /
+  :func:`fp8_inputs` bit for bit given the same means: sage's key mean and
+  query-block means are the kernels' float32 sums, which may differ from
+  XLA's in the last bits (summation order; equal on the CPU for the query
+  means); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2 e``
+  folded into ``q_m``) to float32 accumulation order.  fp8's per-head
+  ("tensor") scales come from a first launch's amax.  None where a
+  granularity does not fit the kernel (sage's "tensor", groups that are
   not powers of two up to 128): the XLA quantizers then.
 
   Returns ``q8``, ``q_scale`` ``[B, T, N]`` (unfolded), ``k8``, ``k_scale``
   ``[B, S, K]``, ``q_bad`` / ``k_bad`` (the rows that held a NaN/Inf,
   quantized as 0), and for "sage" ``q_block_bias`` ``[B, N, nqb, S]`` or
-  None and ``k_mean`` ``[B, K, D]`` (zeros without ``smooth_k``).
+  None, ``bias_bound``, ``k_mean`` ``[B, K, D]`` (zeros without
+  ``smooth_k``) and ``q_mean`` ``[B, nqb, N, D]`` (None without
+  ``smooth_q``).
+  """
+  return fused_operands(method, q, k, None, kv_lens, scale=scale,
+                        config=config)
+
+
+def fused_operands(method: str, q, k, v, kv_lens, *, scale: float, config,
+                   v_key_order: bool = False, segments=None) -> dict | None:
+  """:func:`fused_qk` and, with ``v``, V's 8-bit operand ``[B, K, D, S]``
+  (keys in the Mosaic kernel's register-operand order with
+  ``v_key_order``), in two launches of :func:`quantizers.run_passes`: the
+  passes that need a whole-sequence statistic run in the second launch,
+  after the launch that computes it from the tensor it reads anyway.
+
+  ======  ==========================================  ====================
+  method  launch 1                                    launch 2
+  ======  ==========================================  ====================
+  sage    K's column sums, V's sums/max/min, the Q    K (the mean, the
+          pass with its query-block means             bias), V (fp8 PV)
+  int8    V's amax per head, Q, K (per token); V      V ("tensor" scale)
+          with its own per-block scales ("block")
+  fp8     "tensor": the amax per head of Q, K, V      Q, K, V
+          "block": Q, K, V, each its own scales       (none)
+  ======  ==========================================  ====================
+
+  Without ``v``, or for float16 PV, there is no ``v8`` (the caller's XLA
+  path).  int8's per-segment V scales (``segments``, "tensor") come from
+  XLA (:func:`segment_v_scales`) before its V pass, as do per-block ones
+  whose blocks the pass cannot take (:func:`_fits_key_groups`).
+
+  sage's V statistics are the kernel's (``v_mean`` a float32 sum in the
+  kernel's order, the fp8 ``v_scale`` exact from its max and min:
+  :func:`sage_v_stats`); every other scale is a max, exact.  V's values
+  are the XLA quantizers' bit for bit given the same statistics.
+
+  Returns :func:`fused_qk`'s dict with ``v8``, ``v_bad`` (bool ``[B, K,
+  S]``) and ``v_scale`` (sage: ``[B, K, D]``, with ``v_mean``; int8 and fp8
+  "tensor": ``[B, K]``; "block": ``[B, K, ceil(S / block_k)]``), or None
+  as :func:`fused_qk`.
   """
   b, t, n, d = q.shape
   s, nk = k.shape[1], k.shape[2]
+  f32, i8, e4 = jnp.float32, jnp.int8, jnp.float8_e4m3fn
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
   q_lens = jnp.full((b,), t, jnp.int32)
-  rows_operand = functools.partial(quantizers.rows_operand,
-                                   flag_nonfinite=True)
+  rows = functools.partial(quantizers.rows_pass, flag_nonfinite=True)
+  v_kw = dict(key_order=v_key_order, flag_nonfinite=True)
+  out = {}
+
+  def unpack(prefix, res):   # a rows pass's results
+    x8, sc, extra, bad = res
+    out.update({f"{prefix}8": x8, f"{prefix}_scale": sc,
+                f"{prefix}_bad": bad})
+    return extra
+
+  def take_v(res, **extra):   # a V pass's results
+    out.update(v8=res[0], v_bad=res[1], **extra)
+
   if method == "int8":
-    q8, q_scale, _, q_bad = rows_operand(q, q_lens, group=1, dtype=jnp.int8)
-    k8, k_scale, _, k_bad = rows_operand(k, kv_lens, group=1, dtype=jnp.int8)
-    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
-                k_bad=k_bad)
+    q_pass = rows(q, q_lens, group=1, dtype=i8)
+    k_pass = rows(k, kv_lens, group=1, dtype=i8)
+    v_int8 = v is not None and config.pv_dtype != "fp16"
+    block_v = v_int8 and config.v_granularity == "block"
+    if block_v and _fits_key_groups(config.block_k):
+      # one launch: V scales each block of keys itself
+      rq, rk, rv = quantizers.run_passes(
+          q_pass, k_pass, quantizers.v_pass(v, kv_lens, dtype=i8,
+                                            group=config.block_k, **v_kw))
+      unpack("q", rq)
+      unpack("k", rk)
+      take_v(rv, v_scale=rv[2])
+      return out
+    tensor_v = v_int8 and not block_v and segments is None
+    rq, rk, amax = quantizers.run_passes(
+        q_pass, k_pass,
+        quantizers.stats_pass(v, kv_lens, mode=quantizers.STATS_AMAX)
+        if tensor_v else None)
+    unpack("q", rq)
+    unpack("k", rk)
+    if not v_int8:
+      return out
+    if tensor_v:
+      v_scale = amax * int_flash.RCP_R                         # [B, K]
+      res = quantizers.run_passes(quantizers.v_pass(
+          v, kv_lens, dtype=i8,
+          inv_channel=_channels(quant.reciprocal(v_scale),
+                                (b, nk, v.shape[-1])),
+          **v_kw))[0]
+      take_v(res, v_scale=v_scale)
+    elif not block_v:                       # one scale per segment
+      per_key, per_row = segment_v_scales(v, kv_lens, segments, n)
+      res = quantizers.run_passes(quantizers.v_pass(
+          v, kv_lens, dtype=i8,
+          inv_row=quant.reciprocal(per_key).transpose(0, 2, 1), **v_kw))[0]
+      take_v(res, v_scale_per_key=per_key, v_scale_per_row=per_row)
+    else:             # per-block scales from XLA (groups the pass cannot)
+      vf = jnp.where(_valid_keys(v, kv_lens),
+                     nonfinite.finite(v).astype(f32), 0.0)
+      v_scale = _group_amax(vf, config.block_k) * int_flash.RCP_R
+      inv = _expand(quant.reciprocal(v_scale), config.block_k, s)
+      res = quantizers.run_passes(quantizers.v_pass(
+          v, kv_lens, dtype=i8, inv_row=inv.transpose(0, 2, 1), **v_kw))[0]
+      take_v(res, v_scale=v_scale.transpose(0, 2, 1))
+    return out
+
   if method == "fp8":
-    fp8_dtype = jnp.float8_e4m3fn
     if config.granularity == "tensor":
-      # one scale per head from an XLA amax pass over the finite values
-      # (keys below the length), then one quantizing pass each
-      finite = lambda x: nonfinite.finite(x).astype(jnp.float32)
-      sq = _fp8_head_scale(finite(q))
-      sk = _fp8_head_scale(jnp.where(_valid_keys(k, kv_lens), finite(k), 0.0))
-      q8, _, _, q_bad = rows_operand(q, q_lens, group=1, dtype=fp8_dtype,
-                                     scale=sq)
-      k8, _, _, k_bad = rows_operand(k, kv_lens, group=1, dtype=fp8_dtype,
-                                     scale=sk)
-      per_row = lambda sc, n: jnp.broadcast_to(sc[:, None], (b, n,
-                                                             sc.shape[1]))
-      return dict(q8=q8, q_scale=per_row(sq, t), k8=k8,
-                  k_scale=per_row(sk, s), q_bad=q_bad, k_bad=k_bad)
+      # one scale per head: the amax of the finite values (keys below the
+      # length) first, then one quantizing pass each
+      amax = lambda x, lens: quantizers.stats_pass(
+          x, lens, mode=quantizers.STATS_AMAX)
+      aq, ak, av = quantizers.run_passes(
+          amax(q, q_lens), amax(k, kv_lens),
+          amax(v, kv_lens) if v is not None else None)
+      sq, sk = aq * fp8.RCP_FP8_MAX, ak * fp8.RCP_FP8_MAX       # [B, H]
+      given = lambda x, lens, sc: rows(x, lens, group=1, dtype=e4, scale=sc)
+      v_pass = None
+      if v is not None:
+        sv = av * fp8.RCP_FP8_MAX
+        v_pass = quantizers.v_pass(
+            v, kv_lens, dtype=e4,
+            inv_channel=_channels(quant.reciprocal(sv), (b, nk, v.shape[-1])),
+            **v_kw)
+      rq, rk, rv = quantizers.run_passes(given(q, q_lens, sq),
+                                         given(k, kv_lens, sk), v_pass)
+      unpack("q", rq)
+      unpack("k", rk)
+      if v is not None:
+        take_v(rv, v_scale=sv)
+      return out
     if not _fits_rows_kernel(config.block_q, config.block_k):
       return None
-    q8, q_scale, _, q_bad = rows_operand(
-        q, q_lens, group=config.block_q, dtype=fp8_dtype)
-    k8, k_scale, _, k_bad = rows_operand(
-        k, kv_lens, group=config.block_k, dtype=fp8_dtype)
-    return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale, q_bad=q_bad,
-                k_bad=k_bad)
+    v_pass = None
+    if v is not None:
+      if not _fits_key_groups(config.block_k):
+        return None
+      v_pass = quantizers.v_pass(v, kv_lens, dtype=e4, group=config.block_k,
+                                 **v_kw)
+    rq, rk, rv = quantizers.run_passes(
+        rows(q, q_lens, group=config.block_q, dtype=e4),
+        rows(k, kv_lens, group=config.block_k, dtype=e4), v_pass)
+    unpack("q", rq)
+    unpack("k", rk)
+    if v is not None:
+      take_v(rv, v_scale=rv[2])
+    return out
+
   if method != "sage":
     raise ValueError(f"no quantized kernel inputs for method {method!r}")
   bq = config.block_q
@@ -370,35 +495,68 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   k_group = sage.k_group_rows(config, s)
   if not _fits_rows_kernel(q_group, k_group, bq):
     return None
-  f32 = jnp.float32
-  # the key mean over finite values (XLA's reduction pass; the quantizer
-  # kernels count NaN/Inf as 0 in the same way); the query-block means
-  # from the Q pass's own tiles
-  k_mean = _key_mean(nonfinite.finite(k), kv_lens) if config.smooth_k else (
-      jnp.zeros((b, nk, d), f32))
   bits = config.bits
-  q8, q_scale, q_mean, q_bad = rows_operand(
-      q, q_lens, group=q_group, dtype=jnp.int8, bits=bits,
-      shift="tile_mean" if config.smooth_q else None,
-      block=bq if config.smooth_q else None)
+  fp8_v = v is not None and config.pv_dtype == "fp8"
+  # Launch 1: the key mean's sums, V's sums and extrema, and the Q pass
+  # with its query-block means (from the tiles it reads anyway).
+  q_pass = rows(q, q_lens, group=q_group, dtype=i8, bits=bits,
+                shift="tile_mean" if config.smooth_q else None,
+                block=bq if config.smooth_q else None)
+  k_kw = dict(group=k_group, dtype=i8, bits=bits)
+  k_first = not (config.smooth_q or config.smooth_k)   # nothing to wait for
+  k_sums, v_stats, rq, rk = quantizers.run_passes(
+      quantizers.stats_pass(k, kv_lens, mode=quantizers.STATS_SUM)
+      if config.smooth_k else None,
+      quantizers.stats_pass(v, kv_lens, mode=quantizers.STATS_EXTREMA)
+      if fp8_v else None,
+      q_pass, rows(k, kv_lens, **k_kw) if k_first else None)
+  q_mean = unpack("q", rq)                              # [B, nqb, N, D]
+  k_mean = (_token_mean(k_sums, kv_lens, s) if config.smooth_k
+            else jnp.zeros((b, nk, d), f32))
+  v_pass = None
+  if fp8_v:
+    total, hi, lo = v_stats
+    stats = _sage_v_stats_from(total, hi, lo, kv_lens, s, config)
+    out.update(stats)
+    v_pass = quantizers.v_pass(
+        v, kv_lens, dtype=e4,
+        shift=stats["v_mean"] if config.smooth_v else None,
+        inv_channel=quant.reciprocal(stats["v_scale"]), **v_kw)
   bias_q = None
   if config.smooth_q:                          # q_mean [B, nqb, N, D]
     nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
     bias_q = (q_mean * sage.log2_scale(scale)).reshape(
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
-  k8, k_scale, bias, k_bad = rows_operand(
-      k, kv_lens, group=k_group, dtype=jnp.int8, bits=bits,
-      shift=k_mean[:, None] if config.smooth_k else None, bias_q_mean=bias_q)
+  # Launch 2: K shifted by its mean, with the bias; V.
+  if k_first:
+    rv = quantizers.run_passes(v_pass)[0] if v_pass else None
+  else:
+    rk, rv = quantizers.run_passes(
+        rows(k, kv_lens, shift=k_mean[:, None] if config.smooth_k else None,
+             bias_q_mean=bias_q, **k_kw), v_pass)
+  bias = unpack("k", rk)
+  if rv is not None:
+    take_v(rv)
   bias_bound = None
   if bias is not None:                              # [B, N, nqb, S]
     bias = bias.reshape(b, n, -1, s)
     # |q_m K_s^T| <= |q_m|_1 max |K_s| = |q_m|_1 qmax max(k_scale), from
     # the small arrays instead of a read of the bias
     bias_bound = (jnp.abs(bias_q).sum(axis=-1).max() * quant.qmax(bits)
-                  * jnp.abs(k_scale).max())
-  return dict(q8=q8, q_scale=q_scale, k8=k8, k_scale=k_scale,
-              q_block_bias=bias, bias_bound=bias_bound, q_bad=q_bad,
-              k_bad=k_bad, k_mean=k_mean)
+                  * jnp.abs(out["k_scale"]).max())
+  out.update(q_block_bias=bias, bias_bound=bias_bound, k_mean=k_mean,
+             q_mean=q_mean)
+  return out
+
+
+def _sage_v_stats_from(total, hi, lo, kv_lens, s: int, config) -> dict:
+  """``v_mean`` (zeros without ``smooth_v``) and the fp8 per-channel
+  ``v_scale`` from V's column sums, max and min ``[B, K, D]`` over the
+  visible keys (:func:`sage_v_stats`)."""
+  mean = (_token_mean(total, kv_lens, s) if config.smooth_v
+          else jnp.zeros(total.shape, jnp.float32))
+  amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
+  return dict(v_mean=mean, v_scale=sage.rounded(amax * sage.RCP_FP8_MAX))
 
 
 def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
@@ -412,9 +570,11 @@ def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
 
   ``kernel``: NaN/Inf count as 0 (as :func:`nonfinite.finite` makes
   them), and for fp8 PV where :func:`quantizers.column_stats_fits` the
-  sum, max and min come from that Pallas pass, which sums in another
-  order than XLA: the mean may differ from the XLA pass's in its last
-  bits, and the scale with it."""
+  sum, max and min come from the Triton statistics pass, which sums in
+  another order than XLA: the mean may differ from the XLA pass's in its
+  last bits, and the scale with it.  (:func:`quantized_operands` takes
+  them from the same pass at every shape, in the launch that quantizes
+  Q: :func:`fused_operands`.)"""
   f32 = jnp.float32
   b, s, nk, d = v.shape
   kv_lens = jnp.asarray(kv_lens, jnp.int32)
@@ -422,18 +582,17 @@ def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
   if (kernel and config.pv_dtype == "fp8"
       and quantizers.column_stats_fits(s, d)):
     total, hi, lo = quantizers.column_stats(v, kv_lens, extrema=True)
-    mean = _token_mean(total, kv_lens, s) if config.smooth_v else zeros
-  else:
-    if kernel:
-      v = nonfinite.finite(v)
-    valid = _valid_keys(v, kv_lens)
-    vf = v.astype(f32)
-    mean = _key_mean(v, kv_lens) if config.smooth_v else zeros
-    if config.pv_dtype != "fp8":
-      return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
-                  .astype(jnp.float16))
-    hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
-    lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
+    return _sage_v_stats_from(total, hi, lo, kv_lens, s, config)
+  if kernel:
+    v = nonfinite.finite(v)
+  valid = _valid_keys(v, kv_lens)
+  vf = v.astype(f32)
+  mean = _key_mean(v, kv_lens) if config.smooth_v else zeros
+  if config.pv_dtype != "fp8":
+    return dict(v_mean=mean, v=jnp.where(valid, vf - mean[:, None], 0.0)
+                .astype(jnp.float16))
+  hi = jnp.where(valid, vf, -jnp.inf).max(axis=1)
+  lo = jnp.where(valid, vf, jnp.inf).min(axis=1)
   amax = jnp.maximum(jnp.maximum(hi - mean, mean - lo), 0.0)
   return dict(v_mean=mean,
               v_scale=sage.rounded(amax * sage.RCP_FP8_MAX))
@@ -481,45 +640,54 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
       call, or None: INT8's per-tensor V scale becomes one per segment
       (:func:`segment_v_scales`; the other methods' scales are unchanged).
   Returns: :class:`QuantizedOperands`, the references' quantized values and
-    scales bit for bit (SageAttention2's bias to float32 accumulation
-    order).
+    scales bit for bit given the same means (sage's key and query-block
+    means and V mean are the kernels' float32 sums, which may differ from
+    XLA's in the last bits; SageAttention2's bias to float32 accumulation
+    order).  The Triton passes make them in two launches
+    (:func:`fused_operands`); sage's "tensor" granularity (and groups the
+    passes do not take) keeps the XLA quantizers.
   """
   b, t, n, d = q.shape
   s_len, nk = k.shape[1], k.shape[2]
   kv_shape = (b, nk, v.shape[-1])
   ones = lambda *shape: jnp.ones(shape, jnp.float32)
-  # NaN/Inf count as 0 (:mod:`jaxattn.nonfinite`): the Pallas quantizers
+  # NaN/Inf count as 0 (:mod:`jaxattn.nonfinite`): the Triton passes
   # read the raw inputs and flag the rows; the XLA statistics and
   # quantizers read them through ``fin``, fused into their own passes.
   fin = nonfinite.finite
   v_flags = {}     # set by v8: the 8-bit V kernel flags V's keys
 
   def v8(dtype, shift=None, inv_channel=None, inv_row=None):
-    """The 8-bit V ``[B, K, D, S]`` in one pass."""
+    """The 8-bit V ``[B, K, D, S]`` in one pass (the XLA paths')."""
     v_op, bad = quantizers.v_operand(
         v, kv_lens, dtype=dtype,
         shift=jnp.zeros(kv_shape, jnp.float32) if shift is None else shift,
         inv_channel=ones(*kv_shape) if inv_channel is None else inv_channel,
         inv_row=ones(b, nk, s_len) if inv_row is None else inv_row,
         key_order=v_key_order, flag_nonfinite=True)
-    v_flags["kernel"] = bad.transpose(0, 2, 1)
+    v_flags["kernel"] = bad
     return v_op
 
   def per_row(per_group, group):  # [B, G, K] -> one per key [B, K, S]
     return _expand(per_group, group, s_len).transpose(0, 2, 1)
 
-  def with_flags(fused, **ops):
+  fused = fused_operands(method, q, k, v, kv_lens, scale=scale,
+                         config=config, v_key_order=v_key_order,
+                         segments=segments)
+  if fused is not None and fused.get("v8") is not None:
+    v_flags["kernel"] = fused["v_bad"]
+
+  def with_flags(**ops):
     """The operands with the non-finite flags: from the kernels where they
     read the input, else one XLA reduction."""
     q_bad = nonfinite.row_flags(q) if fused is None else fused["q_bad"]
     k_bad = nonfinite.row_flags(k) if fused is None else fused["k_bad"]
     v_bad = v_flags.get("kernel")
-    if v_bad is None:          # V went through XLA (float16 PV)
-      v_bad = nonfinite.row_flags(v)
+    v_bad = (nonfinite.row_flags(v) if v_bad is None     # V through XLA
+             else v_bad.transpose(0, 2, 1))
     return QuantizedOperands(q_nonfinite=q_bad, kv_nonfinite=k_bad | v_bad,
                              **ops)
 
-  fused = fused_qk(method, q, k, kv_lens, scale=scale, config=config)
   if method == "sage":
     fp8_pv = config.pv_dtype == "fp8"
     if fused is None:
@@ -527,11 +695,19 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
                       config=config, v_values=False)
       q_block_bias = (z["smooth_bias"] * sage.log2_scale(scale)
                       if config.smooth_q else None)
+      v_op = (v8(jnp.float8_e4m3fn, shift=z["v_mean"],
+                 inv_channel=quant.reciprocal(z["v_scale"]))
+              if fp8_pv else z["v"])
     else:
       z = dict(q=fused["q8"], k=fused["k8"], k_scale=fused["k_scale"],
                k_mean=fused["k_mean"],
-               q_scale_folded=fused["q_scale"] * sage.log2_scale(scale),
-               **sage_v_stats(v, kv_lens, config, kernel=True))
+               q_scale_folded=fused["q_scale"] * sage.log2_scale(scale))
+      if fp8_pv:
+        z.update(v_mean=fused["v_mean"], v_scale=fused["v_scale"])
+        v_op = fused["v8"]
+      else:                   # the smoothed float16 V (XLA)
+        z.update(sage_v_stats(v, kv_lens, config, kernel=True))
+        v_op = z["v"]
       q_block_bias = fused["q_block_bias"]
     q8, k8, qk = z["q"], z["k"], "int8"
     if config.qk_dtype == "int4" and pack_int4:
@@ -539,13 +715,10 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     bias_bound = (jnp.abs(q_block_bias).max() if fused is None
                   else fused["bias_bound"]) if config.smooth_q else None
     return with_flags(
-        fused, q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
+        q=q8, q_scale=z["q_scale_folded"], k=k8, k_scale=z["k_scale"],
         score_bound=_score_bound(z["q_scale_folded"], z["k_scale"],
                                  quant.qmax(config.bits), d, bias_bound),
-        v=(v8(jnp.float8_e4m3fn, shift=z["v_mean"],
-              inv_channel=quant.reciprocal(z["v_scale"]))
-           if fp8_pv else z["v"]),
-        q_block_bias=q_block_bias,
+        v=v_op, q_block_bias=q_block_bias,
         out_scale=(z["v_scale"] / quant.FP8_MAX if fp8_pv
                    else jnp.ones(kv_shape, jnp.float32)),
         out_shift=z["v_mean"], qk=qk, pv=config.pv_dtype,
@@ -554,67 +727,56 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
         v_keys_ordered=v_key_order and fp8_pv,
         k_scale_keys=sage.k_group_rows(config, s_len))
   if method == "int8":
-    z = int8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
-                    v_values=False, qk_values=fused is None)
-    if fused is not None:
-      z.update(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
-               k_scale=fused["k_scale"])
+    z = dict(q=fused["q8"], q_scale=fused["q_scale"], k=fused["k8"],
+             k_scale=fused["k_scale"])
     q_scale = z["q_scale"] * (scale * base.LOG2E)
     qk_ops = dict(q=z["q"], q_scale=q_scale, k=z["k"], k_scale=z["k_scale"],
                   score_bound=_score_bound(q_scale, z["k_scale"], 127, d),
                   qk="int8", pv=config.pv_dtype)
     if config.pv_dtype == "fp16":
-      return with_flags(fused, v=z["v"], **qk_ops)
+      v16 = int8_inputs(q, k, fin(v), kv_lens, config=config,
+                        qk_values=False)["v"]
+      return with_flags(v=v16, **qk_ops)
     if config.v_granularity == "block":
-      inv_row = per_row(quant.reciprocal(z["v_scale"]), config.block_k)
-      return with_flags(
-          fused, v=v8(jnp.int8, inv_row=inv_row),
-          v_block_scale=z["v_scale"].transpose(0, 2, 1),
-          v_keys_ordered=v_key_order, **qk_ops)
+      return with_flags(v=fused["v8"], v_block_scale=fused["v_scale"],
+                        v_keys_ordered=v_key_order, **qk_ops)
     if segments is not None:
-      per_key, per_row = segment_v_scales(v, kv_lens, segments, n)
       return with_flags(
-          fused, v=v8(jnp.int8,
-                      inv_row=quant.reciprocal(per_key).transpose(0, 2, 1)),
-          out_scale=jnp.ones(kv_shape, jnp.float32),
-          out_shift=jnp.zeros(kv_shape, jnp.float32), out_row_scale=per_row,
+          v=fused["v8"], out_scale=jnp.ones(kv_shape, jnp.float32),
+          out_shift=jnp.zeros(kv_shape, jnp.float32),
+          out_row_scale=fused["v_scale_per_row"],
           v_keys_ordered=v_key_order, **qk_ops)
-    inv_channel = _channels(quant.reciprocal(z["v_scale"]), kv_shape)
     return with_flags(
-        fused, v=v8(jnp.int8, inv_channel=inv_channel),
-        out_scale=_channels(z["v_scale"], kv_shape),
+        v=fused["v8"], out_scale=_channels(fused["v_scale"], kv_shape),
         out_shift=jnp.zeros(kv_shape, jnp.float32),
         v_keys_ordered=v_key_order, **qk_ops)
   if method == "fp8":
-    z = fp8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
-                   v_values=False, qk_values=fused is None)
-    inv_v = quant.reciprocal(z["v_scale"])
-    if fused is not None:             # one scale per row already
-      q_scale, k_scale = fused["q_scale"], fused["k_scale"]
-      z.update(q=fused["q8"], k=fused["k8"])
-    if config.granularity == "block":  # scales [B, groups, heads]
-      v_op = v8(jnp.float8_e4m3fn, inv_row=per_row(inv_v, config.block_k))
-      if fused is None:
-        q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
-        k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
-      v_block_scale = z["v_scale"].transpose(0, 2, 1)
-      out_scale = jnp.full(kv_shape, 1.0 / quant.FP8_MAX, jnp.float32)
-    else:                              # scales [B, heads]
-      v_op = v8(jnp.float8_e4m3fn, inv_channel=_channels(inv_v, kv_shape))
-      if fused is None:
-        q_scale = jnp.broadcast_to(z["q_scale"][:, None, :], (b, t, n))
-        k_scale = jnp.broadcast_to(z["k_scale"][:, None, :], (b, s_len, nk))
-      v_block_scale = None
-      out_scale = _channels(z["v_scale"] / quant.FP8_MAX, kv_shape)
+    block = config.granularity == "block"
+    if fused is None:       # groups the passes do not take: XLA's scales
+      z = fp8_inputs(fin(q), fin(k), fin(v), kv_lens, config=config,
+                     v_values=False)
+      q8, k8 = z["q"], z["k"]
+      q_scale = jnp.repeat(z["q_scale"], config.block_q, axis=1)[:, :t]
+      k_scale = jnp.repeat(z["k_scale"], config.block_k, axis=1)[:, :s_len]
+      v_op = v8(jnp.float8_e4m3fn,
+                inv_row=per_row(quant.reciprocal(z["v_scale"]),
+                                config.block_k))
+      v_scale = z["v_scale"].transpose(0, 2, 1)           # [B, K, groups]
+    else:                   # one scale per row already
+      q8, k8, v_op = fused["q8"], fused["k8"], fused["v8"]
+      q_scale, k_scale, v_scale = (fused["q_scale"], fused["k_scale"],
+                                   fused["v_scale"])
     q_scale = q_scale * (scale * base.LOG2E)
     return with_flags(
-        fused, q=z["q"], q_scale=q_scale, k=z["k"], k_scale=k_scale, v=v_op,
-        v_block_scale=v_block_scale,
+        q=q8, q_scale=q_scale, k=k8, k_scale=k_scale, v=v_op,
+        v_block_scale=v_scale if block else None,
         score_bound=_score_bound(q_scale, k_scale, quant.FP8_MAX, d),
-        out_scale=out_scale, out_shift=jnp.zeros(kv_shape, jnp.float32),
+        out_scale=(jnp.full(kv_shape, 1.0 / quant.FP8_MAX, jnp.float32)
+                   if block else _channels(v_scale / quant.FP8_MAX,
+                                           kv_shape)),
+        out_shift=jnp.zeros(kv_shape, jnp.float32),
         qk="fp8", pv="fp8", v_keys_ordered=v_key_order,
-        k_scale_keys=(config.block_k if config.granularity == "block"
-                      else s_len))
+        k_scale_keys=config.block_k if block else s_len)
   raise ValueError(f"no quantized operands for method {method!r}")
 
 
@@ -698,11 +860,13 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config,
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
                   v_key_order: bool = False):
   """The 8-bit FMHA's operands: :func:`jaxattn.fmha.fmha_quantize`'s values
-  bit for bit, from an XLA amax pass over the finite values of each tensor
-  (keys below the length; none for a static amax) and one quantizing pass
-  each (:func:`quantizers.rows_operand` with the given scale, and
-  :func:`quantizers.v_operand`), which flag the rows that hold a NaN/Inf
-  and quantize them as 0.
+  bit for bit, in two launches of the Triton passes
+  (:func:`quantizers.run_passes`): the amax of the finite values of each
+  tensor (keys below the length; none for a static amax, and no first
+  launch where all three are static), then one quantizing pass each with
+  the given scale, which flag the rows that hold a NaN/Inf and quantize
+  them as 0; the V pass also sums each ``block_k``-key block's int8
+  columns.
 
   One scale per tensor is folded into ``q_scale`` (times ``scale * log2
   e``); ``k_scale`` is 1; V is ``[B, K, D, S]`` int8 (keys in the Mosaic
@@ -717,42 +881,40 @@ def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
   s, nk, dv = k.shape[1], k.shape[2], v.shape[-1]
   f32 = jnp.float32
   kv_lens = base.kv_lengths(kv_lens, b, s)
+  q_lens = jnp.full((b,), t, jnp.int32)
   static = config.amax_dict
-  valid = _valid_keys(k, kv_lens)
-
-  def tensor_scale(name, x, keys):
-    if name in static:
-      amax = jnp.asarray(static[name], f32)
-    else:
-      x = nonfinite.finite(x).astype(f32)
-      amax = jnp.abs(jnp.where(valid, x, 0.0) if keys else x).max()
-    return amax * fmha.RCP_QMAX
-
-  sq, sk, sv = (tensor_scale(name, x, name != "q")
-                for name, x in (("q", q), ("k", k), ("v", v)))
+  inputs = (("q", q, q_lens), ("k", k, kv_lens), ("v", v, kv_lens))
+  amax = quantizers.run_passes(*(
+      None if name in static
+      else quantizers.stats_pass(x, lens, mode=quantizers.STATS_AMAX)
+      for name, x, lens in inputs)) if len(static) < 3 else [None] * 3
+  sq, sk, sv = ((jnp.asarray(static[name], f32) if a is None else a.max())
+                * fmha.RCP_QMAX for a, (name, _, _) in zip(amax, inputs))
   per_head = lambda sc, h: jnp.broadcast_to(sc, (b, h))
-  q8, _, _, q_bad = quantizers.rows_operand(
-      q, jnp.full((b,), t, jnp.int32), group=1, dtype=jnp.int8,
-      scale=per_head(sq, n), flag_nonfinite=True)
-  k8, _, _, k_bad = quantizers.rows_operand(
-      k, kv_lens, group=1, dtype=jnp.int8, scale=per_head(sk, nk),
-      flag_nonfinite=True)
-  v8, v_bad = quantizers.v_operand(
-      v, kv_lens, dtype=jnp.int8, shift=jnp.zeros((b, nk, dv), f32),
-      inv_channel=jnp.broadcast_to(quant.reciprocal(sv), (b, nk, dv)),
-      inv_row=jnp.ones((b, nk, s), f32), key_order=v_key_order,
-      flag_nonfinite=True)
-  # a block's column sums do not depend on the order of its keys
-  s_pad = -(-s // block_k) * block_k
-  # (V's keys beyond S are zeros: the padding of the key order's chunks)
-  colsum = jnp.pad(v8, [(0, 0)] * 3 + [(0, s_pad - v8.shape[-1])])
-  colsum = colsum.astype(jnp.int32)
-  colsum = colsum.reshape(b, nk, dv, s_pad // block_k, block_k).sum(axis=-1)
+  rows = functools.partial(quantizers.rows_pass, group=1, dtype=jnp.int8,
+                           flag_nonfinite=True)
+  sums = block_k if _fits_key_groups(block_k) else None
+  (q8, _, _, q_bad), (k8, _, _, k_bad), (v8, v_bad, _, colsum) = (
+      quantizers.run_passes(
+          rows(q, q_lens, scale=per_head(sq, n)),
+          rows(k, kv_lens, scale=per_head(sk, nk)),
+          quantizers.v_pass(
+              v, kv_lens, dtype=jnp.int8,
+              inv_channel=jnp.broadcast_to(quant.reciprocal(sv),
+                                           (b, nk, dv)),
+              colsum=sums, key_order=v_key_order, flag_nonfinite=True)))
+  if colsum is None:   # blocks the pass cannot sum: XLA, from the int8 V
+    # a block's column sums do not depend on the order of its keys
+    s_pad = -(-s // block_k) * block_k
+    # (V's keys beyond S are zeros: the padding of the key order's chunks)
+    colsum = jnp.pad(v8, [(0, 0)] * 3 + [(0, s_pad - v8.shape[-1])])
+    colsum = colsum.astype(jnp.int32)
+    colsum = colsum.reshape(b, nk, dv, s_pad // block_k, block_k).sum(-1)
+    colsum = colsum.transpose(0, 1, 3, 2)
   s_factor = sq * sk * (scale * base.LOG2E)
   ops = QuantizedOperands(
       q=q8, q_scale=jnp.broadcast_to(s_factor, (b, t, n)), k=k8,
-      k_scale=jnp.ones((b, s, nk), f32), v=v8,
-      v_colsum=colsum.transpose(0, 1, 3, 2), qk="int8", pv="uint8",
-      k_scale_keys=s, v_keys_ordered=v_key_order, q_nonfinite=q_bad,
-      kv_nonfinite=k_bad | v_bad.transpose(0, 2, 1))
+      k_scale=jnp.ones((b, s, nk), f32), v=v8, v_colsum=colsum, qk="int8",
+      pv="uint8", k_scale_keys=s, v_keys_ordered=v_key_order,
+      q_nonfinite=q_bad, kv_nonfinite=k_bad | v_bad.transpose(0, 2, 1))
   return ops, sv

@@ -38,6 +38,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import jax.extend.core as jex_core
 from jax.custom_batching import custom_vmap
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
@@ -219,9 +220,11 @@ def _partitioned(local, ring_local, in_axes, out_tree, groups):
 
   @custom_vmap
   def call(*xs):
-    if jax.make_jaxpr(jitted)(*xs).effects:
-      # Mosaic GPU's interpreter (no GPU) runs on ordered callbacks, which
-      # custom_partitioning cannot lower: unpartitioned, as before
+    if _host_callbacks(jax.make_jaxpr(jitted)(*xs)):
+      # the interpreters (no GPU) run kernels in host callbacks: Mosaic
+      # GPU's ordered ones do not lower inside custom_partitioning, and
+      # Triton's (pure_callback) crash XLA:CPU there (jax 0.12, 4 devices):
+      # unpartitioned
       return jitted(*xs)
     return cp(*xs)
 
@@ -237,6 +240,32 @@ def _partitioned(local, ring_local, in_axes, out_tree, groups):
             (True,) * len(outs))
 
   return call
+
+
+def _host_callbacks(closed_jaxpr) -> bool:
+  """Whether the jaxpr (or one nested in it) calls back into the host: an
+  effect (ordered callbacks) or a ``pure_callback``."""
+  if closed_jaxpr.effects:
+    return True
+
+  def subjaxprs(value):
+    if isinstance(value, jex_core.ClosedJaxpr):
+      yield value.jaxpr
+    elif isinstance(value, jex_core.Jaxpr):
+      yield value
+    elif isinstance(value, (tuple, list)):
+      for v in value:
+        yield from subjaxprs(v)
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if "callback" in eqn.primitive.name:
+        return True
+      if any(walk(sub) for v in eqn.params.values()
+             for sub in subjaxprs(v)):
+        return True
+    return False
+  return walk(closed_jaxpr.jaxpr)
 
 
 def _ring_takes(bias, mask, index_mask, axis_name):

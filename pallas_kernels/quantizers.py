@@ -1,33 +1,62 @@
-"""The one-pass quantizer kernels (Pallas, Triton lowering; interpret mode
-on CPU) that make the quantized attention kernels' operands:
+"""The one-pass quantizer kernels that make the quantized attention
+kernels' operands: plain ``@triton.jit`` kernels launched by
+:func:`pallas_kernels.triton_call.launch` (``jax_triton`` on a GPU, Triton's
+interpreter on the CPU).
 
-* :func:`rows_operand`: Q or K, each row tile read once, shifted (a mean),
-  scaled per group of rows and rounded to int8 (int4 values) or
-  float8_e4m3fn; optionally the score bias ``q_m y^T`` of SageAttention2's
-  query smoothing from the same tile;
-* :func:`column_stats`: a tensor's sum, max and min per channel over the
-  keys (SageAttention2's V mean and per-channel scale);
-* :func:`v_operand`: V, read once, shifted and scaled, written 8-bit and
-  transposed to ``[B, K, D, S]`` (the key dimension contiguous, as the 8-bit
-  tensor-core PV operand wants), optionally with each 16-key chunk in the
-  Mosaic kernel's register-operand order.
+Three passes, each a ``@triton.jit`` helper with its static flags in one
+constexpr spec (a namedtuple):
 
-Rounding is exact on the GPU (:func:`common.round_half_even`,
-:func:`common.reciprocal_rn`), so the values equal an XLA quantizer's that
-multiplies by a correctly rounded reciprocal and rounds half to even.
+* the rows pass (:func:`rows_pass`, :func:`rows_operand`): Q or K, each row
+  tile read once, shifted (a mean), scaled per group of rows and rounded to
+  int8 (int4 values) or float8_e4m3fn; optionally the score bias ``q_m
+  y^T`` of SageAttention2's query smoothing from the same tile, or the
+  tile's own mean (SageAttention2's query-block means);
+* the statistics pass (:func:`stats_pass`, :func:`column_stats`): a
+  tensor's sum, max and min per channel over the keys (the key mean, V's
+  mean and per-channel scale), or its amax per head (per-tensor and
+  per-head scales);
+* the V pass (:func:`v_pass`, :func:`v_operand`): V, read once, shifted and
+  scaled (given scales, or each group of keys its own), written 8-bit and
+  transposed to ``[B, K, D, S]`` (the key dimension contiguous, as the
+  8-bit tensor-core PV operand wants), optionally with each 16-key chunk in
+  the Mosaic kernel's register-operand order and the int8 column sums of
+  each key block.
+
+:func:`run_passes` runs up to three passes in one launch: its programs take
+their roles by program id (the first pass's programs first), so that a
+method's operands take two launches (``jaxattn.operands``): the passes that
+need a whole-sequence statistic run after the launch that computes it.
+
+Rounding is exact: a correctly rounded reciprocal (``div.rn``), products
+rounded once (the launch disables FMA contraction), round half to even by
+the float32 magic number ``1.5 * 2^23`` (|y| < 2^22), and float8 by the
+GPU's ``cvt.rn.satfinite`` (in the interpreter, whose own float8 cast does
+not round to nearest even, by an exact integer emulation).  The values
+therefore equal an XLA quantizer's that multiplies by a correctly rounded
+reciprocal and rounds half to even, bit for bit; float32 sums (tile
+means, column sums, the bias products) are the kernel's own order.
+
+Nothing is padded or copied: tails of rows, keys and head dims that are
+not whole tiles (or powers of two) are masked loads and stores, and the
+outputs have their exact shapes.  Row strides are whole rows of the
+constexpr head count and head dim (16-byte aligned for vector loads: a
+run-time stride lost that, ``pallas_kernels/paged.py``), and the shapes are
+constexprs, compiled per shape as jax compiles per shape anyway.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import functools
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels import common
+from pallas_kernels import common, triton_call
 from pallas_kernels.common import FP8_MAX
+from pallas_kernels.triton_call import tl, triton
 
 # P's key order as the 8-bit wgmma reads it from registers in the Mosaic
 # kernel: within each chunk of 16 keys, thread t of a quad holds keys (2t,
@@ -43,57 +72,590 @@ def key_order(n):
   return (np.arange(n) // 16) * 16 + KEY_PERMUTATION[np.arange(n) % 16]
 
 
-def _v_kernel(v_ref, len_ref, shift_ref, inv_c_ref, inv_r_ref, o_ref,
-              *bad_ref, block_s, key_order):
-  """One ``[block_s, D]`` tile of V: ``y = (where(visible, v, 0) - shift) *
-  inv_c * inv_r``, quantized and stored transposed ``[D, block_s]``; with
-  ``key_order`` the keys of each 16-key chunk in the Mosaic kernel's
-  register-operand order (key ``8h + 2t + l`` to position ``4t + 2h + l``,
-  :data:`KEY_PERMUTATION`).  With ``bad_ref``, non-finite elements count as
-  0 and ``bad_ref`` flags the keys that hold one."""
-  j = pl.program_id(2)
-  rows = j * block_s + jnp.arange(block_s)
-  visible = (rows < len_ref[0])[:, None]
-  x = v_ref[...].astype(jnp.float32)
-  if bad_ref:
-    finite = jnp.isfinite(x)
-    bad_ref[0][...] = jnp.where(finite, 0.0, 1.0).max(axis=1)
-    x = jnp.where(finite, x, 0.0)
-  x = jnp.where(visible, x, 0.0)
-  y = jnp.where(visible, x - shift_ref[...][None, :], 0.0)
-  y = y * inv_c_ref[...][None, :] * inv_r_ref[...][:, None]
-  if o_ref.dtype == jnp.int8:
-    y = jnp.clip(common.round_half_even(y), -127.0, 127.0)
-  else:                         # float8_e4m3fn
-    y = jnp.clip(y, -FP8_MAX, FP8_MAX)
-  if key_order:
-    d = y.shape[1]
-    y = y.reshape(block_s // 16, 2, 4, 2, d).transpose(0, 2, 1, 3, 4)
-    y = y.reshape(block_s, d)
-  o_ref[...] = y.T.astype(o_ref.dtype)
-
-
-# The passes' default tiles, the fastest by GPU time on the H100
-# (023694b; docs/design.md):
-# Q/K passes in tiles of 32 rows (or one group, where a group is larger),
-# since the per-token and given-scale passes ran near a cast's time in
-# 32-row tiles and slower in 128-row ones.  Sage's query-block means
-# (``shift="tile_mean"``) and per-tile shifts need one block of rows per
-# tile, which their callers give; the key pass with the bias keeps 128 rows
-# (da375f1).  V: (keys per tile, warps) per dtype.
+# The passes' default tiles on the GPU.  Q/K passes in tiles of 32 rows (or
+# one group, where a group is larger); sage's query-block means and
+# per-tile shifts need one block of rows per tile, which their callers
+# give; the key pass with the bias takes 128 rows.  ``CHUNK_ROWS``: rows the
+# pass with the query-block means shifts, scales and stores at a time after
+# it has summed the tile (it reads them again, from L2); the whole tile at
+# once keeps it in registers.  V: (keys per tile, warps) per dtype.
+# (The values measured for the Pallas passes these replace, 023694b,
+# 3dd41f5; scratch/gpu_quantizers.py times the alternatives.)
 # In the interpreter every program is one more step of a loop, so there the
 # defaults are the large tiles (the same bits:
 # tests/test_prepare.py::test_quantizer_tiles_do_not_change_the_bits).
 ROWS_TILE = 32
-# Rows the pass with the query-block means (``shift="tile_mean"``, sage's Q:
-# 128-row tiles for the means, 32-row scale groups) shifts, scales and stores
-# at once after it has summed the whole tile: 0.165 -> 0.125 ms at
-# 2x8192x32x128 on the H100.  The other 128-row tiles (the key pass with the
-# bias, groups of 128 rows) ran slower in chunks, which would read them
-# twice or split the bias products (3dd41f5).
 CHUNK_ROWS = 64
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
-INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys, warps)
+INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys per tile, warps)
+# Warps of the rows pass: 4, or 8 for tiles of more than 64 x 128 and the
+# key pass with the bias (at 4 a 128 x 128 float32 tile takes all 255
+# registers; scratch/check_quantizers.py).
+ROWS_WARPS = 4
+LARGE_TILE_WARPS = 8
+# Query means per product of the key pass's bias: 16 (mma.sync) keeps the
+# key pass with the V pass of sage's second launch at 128 registers on 8
+# warps, two CTAs an SM (64, wgmma: 162 registers, one CTA; Triton 3.6,
+# scratch/check_quantizers.py; the GPU's time: scratch/gpu_quantizers.py).
+BIAS_CHUNK = 16
+# (most splits of the keys per head, rows per step, warps) of the
+# statistics pass; the interpreter steps 128 rows at a time.
+COLUMN_STATS_TILES = (8, 32, 4)
+INTERPRET_STATS_CHUNK = 128
+
+# The passes' kinds (a spec's ``kind``).
+_NONE, _ROWS, _V, _STATS = 0, 1, 2, 3
+# The statistics pass's modes.
+STATS_SUM, STATS_EXTREMA, STATS_AMAX = 1, 2, 3
+
+# The passes' static flags, each a constexpr of the launch (the field names
+# are the kernels' vocabulary; see the pass builders).
+_Empty = collections.namedtuple("_Empty", "kind programs")
+RowsSpec = collections.namedtuple("RowsSpec", [
+    "kind", "programs", "batch", "rows", "heads", "dim", "dim_block",
+    "block", "chunk", "group", "rcp_qmax", "qmax", "fp8", "hw_fp8",
+    "shift", "given_scale", "bias_rows", "bias_chunk", "flags"])
+VSpec = collections.namedtuple("VSpec", [
+    "kind", "programs", "batch", "rows", "heads", "dim", "dim_block",
+    "block", "out_keys", "key_order", "shift", "scale_c", "scale_r",
+    "group", "rcp_qmax", "qmax", "fp8", "hw_fp8", "flags", "colsum"])
+StatsSpec = collections.namedtuple("StatsSpec", [
+    "kind", "programs", "batch", "rows", "heads", "dim", "dim_block",
+    "chunk", "split_rows", "splits", "mode"])
+_EMPTY = _Empty(_NONE, 0)
+
+# Row shifts of the rows pass (a spec's ``shift``).
+_SHIFT_NONE, _SHIFT_HEAD, _SHIFT_TILE, _SHIFT_TILE_MEAN = 0, 1, 2, 3
+_FLT_MIN = float(np.finfo(np.float32).tiny)
+
+
+# ----------------------------------------------------------------------------
+# Element helpers.
+
+
+@triton.jit
+def _reciprocal(s):
+  """``fl(1 / s)`` correctly rounded (``div.rn``), ``1 / 0 := 0``
+  (``jaxattn.quant.reciprocal``)."""
+  safe = tl.where(s == 0.0, 1.0, s)
+  return tl.where(s == 0.0, 0.0, tl.math.div_rn(1.0, safe))
+
+
+@triton.jit
+def _e4m3_bits(z):
+  """The float8_e4m3fn bits (int8) of float32 ``z``, ``|z| <= 448``, rounded
+  to nearest even: the interpreter's stand-in for the GPU's ``cvt.rn``.
+  ``|z|`` is rounded to its binade's quantum ``2^(e-3)`` (``2^-9`` below
+  the smallest normal ``2^-6``) by adding and subtracting ``2^(e+20)``,
+  whose float32 ulp that quantum is, then encoded."""
+  a = tl.abs(z)
+  e = tl.maximum((a.to(tl.int32, bitcast=True) >> 23) & 255, 127 - 6)
+  c = ((e + 20) << 23).to(tl.float32, bitcast=True)
+  r = (a + c) - c
+  code = tl.where(r < 0.015625, (r * 512.0).to(tl.int32),
+                  ((r.to(tl.int32, bitcast=True) >> 20) & 2047) - 960)
+  sign = (z.to(tl.int32, bitcast=True) >> 24) & 128
+  return (code | sign).to(tl.int8)
+
+
+@triton.jit
+def _to_8bit(z, QMAX: tl.constexpr, FP8: tl.constexpr, HW_FP8: tl.constexpr):
+  """int8: ``clip(rint(z), -QMAX, QMAX)`` (round half to even by the magic
+  number: exact for ``|z| < 2^22``, never contracted into the product that
+  made ``z``); float8_e4m3fn: ``fl(clip(z, -448, 448))``."""
+  if FP8:
+    z = tl.minimum(tl.maximum(z, -448.0), 448.0)
+    if HW_FP8:
+      out = z.to(tl.float8e4nv)
+    else:
+      out = _e4m3_bits(z).to(tl.float8e4nv, bitcast=True)
+  else:
+    z = (z + 12582912.0) - 12582912.0
+    out = tl.minimum(tl.maximum(z, -QMAX), QMAX).to(tl.int8)
+  return out
+
+
+@triton.jit
+def _group_max(amax, N: tl.constexpr, GROUP: tl.constexpr):
+  """Per-row ``amax`` ``[N]`` -> each row its group's max (groups of
+  ``GROUP`` consecutive rows).  (``N`` is given: the interpreter's
+  ``x.shape`` holds tensors.)"""
+  if GROUP > 1:
+    g = tl.max(tl.reshape(amax, [N // GROUP, GROUP]), axis=1)
+    amax = tl.reshape(tl.broadcast_to(g[:, None], [N // GROUP, GROUP]), [N])
+  return amax
+
+
+@triton.jit
+def _load_rows(x_ptr, b, rows, h, cols, mask, P: tl.constexpr):
+  """Rows ``rows`` of head ``h`` of batch row ``b`` of ``[B, P.rows,
+  P.heads, P.dim]`` as float32 ``[n, P.dim_block]`` (0 where ``mask`` is
+  off).  The row offset is whole rows of constexpr size: 16-byte aligned
+  for vector loads."""
+  off = ((b * P.rows + rows).to(tl.int64) * P.heads + h) * P.dim
+  return tl.load(x_ptr + off[:, None] + cols[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+
+
+# ----------------------------------------------------------------------------
+# The rows pass (Q or K).
+
+
+@triton.jit
+def _shifted(x, ptrs, mask, keep, shift_row, N: tl.constexpr,
+             SHIFT: tl.constexpr, FLAGS: tl.constexpr):
+  """``(y, row amax, row flags)``: ``y = where(keep, x - shift, 0)``.
+
+  With ``FLAGS``, NaN/Inf count as 0 and the flags mark the rows that hold
+  one (whatever ``keep``).  One reduction finds them: a row's max of
+  ``|y|`` with NaN as inf is inf exactly where it holds a NaN/Inf (or
+  where ``x - shift`` overflows, for float32 inputs); only a tile with
+  such a row takes the second pass, which loads ``x`` again (``ptrs``,
+  ``mask``: holding it beside ``y`` for that rare pass cost the common
+  one its registers) and zeroes them."""
+  if SHIFT:
+    y = x - shift_row[None, :]
+  else:
+    y = x
+  if FLAGS:
+    row_max = tl.max(tl.where(y == y, tl.abs(y), float("inf")), axis=1)
+    amax = tl.where(keep, row_max, 0.0)
+    bad = tl.full([N], 0.0, tl.float32)
+    y = tl.where(keep[:, None], y, 0.0)
+    if tl.max(row_max, axis=0) == float("inf"):
+      x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+      finite = tl.abs(x) < float("inf")
+      bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)
+      x = tl.where(finite, x, 0.0)
+      if SHIFT:
+        y = x - shift_row[None, :]
+      else:
+        y = x
+      y = tl.where(keep[:, None], y, 0.0)
+      amax = tl.max(tl.abs(y), axis=1)
+  else:
+    y = tl.where(keep[:, None], y, 0.0)
+    amax = tl.max(tl.abs(y), axis=1)
+    bad = amax
+  return y, amax, bad
+
+
+@triton.jit
+def _tile_sum(x, keep):
+  """The column sums of the rows ``keep`` of ``x``, NaN/Inf counted as 0:
+  a finite sum holds none (a float32 overflow takes the second sum too,
+  with the same result)."""
+  total = tl.sum(tl.where(keep[:, None], x, 0.0), axis=0)
+  nan_as_inf = tl.where(total == total, tl.abs(total), float("inf"))
+  if tl.max(nan_as_inf, axis=0) == float("inf"):
+    total = tl.sum(tl.where(keep[:, None] & (tl.abs(x) < float("inf")), x,
+                            0.0), axis=0)
+  return total
+
+
+@triton.jit
+def _mean(total, count, BLOCK: tl.constexpr):
+  """``fl(total * fl(1 / n))``, ``n = clip(count, 1, BLOCK)``."""
+  n = tl.minimum(tl.maximum(count, 1), BLOCK).to(tl.float32)
+  return total * _reciprocal(n)
+
+
+@triton.jit
+def _tile_mean_chunked(x_ptr, b, h, first, length, cols, col_ok,
+                       P: tl.constexpr):
+  """:func:`_tile_sum`'s mean over the tile, read ``P.chunk`` rows at a
+  time (each thread adds its elements, the rows are reduced once)."""
+  CHUNK: tl.constexpr = P.chunk
+  DIM_BLOCK: tl.constexpr = P.dim_block
+  acc = tl.full([CHUNK, DIM_BLOCK], 0.0, tl.float32)
+  for c in tl.static_range(P.block // P.chunk):
+    rows = first + c * P.chunk + tl.arange(0, P.chunk)
+    x = _load_rows(x_ptr, b, rows, h, cols,
+                   (rows < P.rows)[:, None] & col_ok[None, :], P)
+    acc += tl.where((rows < length)[:, None], x, 0.0)
+  total = tl.sum(acc, axis=0)
+  nan_as_inf = tl.where(total == total, tl.abs(total), float("inf"))
+  if tl.max(nan_as_inf, axis=0) == float("inf"):
+    acc = tl.full([CHUNK, DIM_BLOCK], 0.0, tl.float32)
+    for c in tl.static_range(P.block // P.chunk):
+      rows = first + c * P.chunk + tl.arange(0, P.chunk)
+      x = _load_rows(x_ptr, b, rows, h, cols,
+                     (rows < P.rows)[:, None] & col_ok[None, :], P)
+      acc += tl.where((rows < length)[:, None] & (tl.abs(x) < float("inf")),
+                      x, 0.0)
+    total = tl.sum(acc, axis=0)
+  return _mean(total, length - first, P.block)
+
+
+@triton.jit
+def _f16_split(x, amax):
+  """float32 rows ``x`` as ``norm * (hi + lo)``: ``(hi, lo, norm)``, float16
+  ``|hi| <= 1`` and ``hi + lo`` within ``2^-22`` of ``x / amax`` (a row of
+  zeros, or one below float32's smallest normal, keeps ``norm = 0``: its
+  products are below float32's range)."""
+  norm = tl.where(amax >= 1.1754943508222875e-38, amax, 0.0)
+  unit = x * _reciprocal(norm)[:, None]
+  hi = unit.to(tl.float16)
+  lo = (unit - hi.to(tl.float32)).to(tl.float16)
+  return hi, lo, norm
+
+
+@triton.jit
+def _store_bias(qm_ptr, bias_ptr, y, amax, b, h, rows, cols, col_ok,
+                P: tl.constexpr):
+  """``q_m y^T`` in float32 for the tile's rows ``y`` (row amax ``amax``)
+  into ``bias`` ``[B, H, R, L]``, ``P.bias_chunk`` of the head's ``R =
+  P.bias_rows`` query means ``[B, H, R, D]`` at a time.
+
+  The float32 products run on the tensor cores at float16's rate: each row
+  scaled into [-1, 1] by its amax and split into float16 hi + lo, then
+  three products (hi*hi + hi*lo + lo*hi) accumulated in float32 (about
+  1e-6 of max |bias|; Triton's IEEE float32 dot runs on the FMA units)."""
+  y_hi, y_lo, y_norm = _f16_split(y, amax)
+  y_hi = tl.trans(y_hi)
+  y_lo = tl.trans(y_lo)
+  row_ok = (rows < P.rows)[None, :]
+  for c in range(0, (P.bias_rows + P.bias_chunk - 1) // P.bias_chunk):
+    r = c * P.bias_chunk + tl.arange(0, P.bias_chunk)
+    r_ok = r < P.bias_rows
+    head_row = ((b * P.heads + h) * P.bias_rows + r).to(tl.int64)
+    qm = tl.load(qm_ptr + head_row[:, None] * P.dim + cols[None, :],
+                 mask=r_ok[:, None] & col_ok[None, :], other=0.0)
+    q_hi, q_lo, q_norm = _f16_split(qm, tl.max(tl.abs(qm), axis=1))
+    acc = tl.dot(q_hi, y_hi)
+    acc = tl.dot(q_hi, y_lo, acc)
+    acc = tl.dot(q_lo, y_hi, acc)
+    tl.store(bias_ptr + head_row[:, None] * P.rows + rows[None, :],
+             (acc * q_norm[:, None]) * y_norm[None, :],
+             mask=r_ok[:, None] & row_ok)
+
+
+@triton.jit
+def _quantize_rows(x_ptr, x, rows, length, b, h, cols, col_ok, shift_row,
+                   given_ptr, qm_ptr, o_ptr, scale_ptr, extra_ptr, flag_ptr,
+                   N: tl.constexpr, P: tl.constexpr):
+  """Rows ``rows`` (``N``, whole groups) of the tile, loaded as ``x``: shifted,
+  scaled (each group's own scale, or the head's given one), rounded and
+  stored with their scales and flags (and the bias)."""
+  keep = rows < length
+  in_rows = rows < P.rows
+  off = ((b * P.rows + rows).to(tl.int64) * P.heads + h) * P.dim
+  mask = in_rows[:, None] & col_ok[None, :]
+  y, amax, bad = _shifted(x, x_ptr + off[:, None] + cols[None, :], mask, keep,
+                          shift_row, N, P.shift != 0, P.flags)
+  if P.given_scale:
+    scale = tl.full([N], 0.0, tl.float32) + tl.load(given_ptr + b * P.heads
+                                                     + h)
+  elif P.group > 1:
+    scale = _group_max(amax, N, P.group) * P.rcp_qmax
+  else:
+    scale = amax * P.rcp_qmax
+  z = _to_8bit(y * _reciprocal(scale)[:, None], P.qmax, P.fp8, P.hw_fp8)
+  tl.store(o_ptr + off[:, None] + cols[None, :], z, mask=mask)
+  per_row = (b * P.rows + rows) * P.heads + h
+  tl.store(scale_ptr + per_row, scale, mask=in_rows)
+  if P.flags:
+    tl.store(flag_ptr + per_row, bad > 0.0, mask=in_rows)
+  if P.bias_rows > 0:
+    _store_bias(qm_ptr, extra_ptr, y, amax, b, h, rows, cols, col_ok, P)
+
+
+@triton.jit
+def _rows_pass(pid, x_ptr, len_ptr, shift_ptr, given_ptr, qm_ptr,
+               o_ptr, scale_ptr, extra_ptr, flag_ptr, P: tl.constexpr):
+  """Program ``pid``: one ``[P.block, D]`` tile (batch row, tile, head; the
+  head fastest, so that neighbouring programs read neighbouring memory)
+  of ``x`` ``[B, L, H, D]`` (:func:`rows_pass`)."""
+  n_tiles = (P.rows + P.block - 1) // P.block
+  h = pid % P.heads
+  t = (pid // P.heads) % n_tiles
+  b = pid // (P.heads * n_tiles)
+  first = t * P.block
+  length = tl.minimum(tl.load(len_ptr + b), P.rows)
+  cols = tl.arange(0, P.dim_block)
+  col_ok = cols < P.dim
+  tile_row = ((b * n_tiles + t) * P.heads + h) * P.dim   # per-tile rows
+  if P.shift == 1:
+    shift_row = tl.load(shift_ptr + (b * P.heads + h) * P.dim + cols,
+                        mask=col_ok, other=0.0)
+  elif P.shift == 2:
+    shift_row = tl.load(shift_ptr + tile_row + cols, mask=col_ok, other=0.0)
+  else:
+    DIM_BLOCK: tl.constexpr = P.dim_block
+    shift_row = tl.full([DIM_BLOCK], 0.0, tl.float32)
+  if P.chunk == P.block:   # the tile read once, held in registers
+    rows = first + tl.arange(0, P.block)
+    x = _load_rows(x_ptr, b, rows, h, cols,
+                   (rows < P.rows)[:, None] & col_ok[None, :], P)
+    if P.shift == 3:
+      shift_row = _mean(_tile_sum(x, rows < length), length - first, P.block)
+      tl.store(extra_ptr + tile_row + cols, shift_row, mask=col_ok)
+    _quantize_rows(x_ptr, x, rows, length, b, h, cols, col_ok, shift_row,
+                   given_ptr, qm_ptr, o_ptr, scale_ptr, extra_ptr, flag_ptr,
+                   P.block, P)
+  else:
+    if P.shift == 3:
+      shift_row = _tile_mean_chunked(x_ptr, b, h, first, length, cols, col_ok,
+                                     P)
+      tl.store(extra_ptr + tile_row + cols, shift_row, mask=col_ok)
+    for c in tl.static_range(P.block // P.chunk):
+      rows = first + c * P.chunk + tl.arange(0, P.chunk)
+      x = _load_rows(x_ptr, b, rows, h, cols,
+                     (rows < P.rows)[:, None] & col_ok[None, :], P)
+      _quantize_rows(x_ptr, x, rows, length, b, h, cols, col_ok, shift_row,
+                     given_ptr, qm_ptr, o_ptr, scale_ptr, extra_ptr, flag_ptr,
+                     P.chunk, P)
+
+
+# ----------------------------------------------------------------------------
+# The V pass.
+
+
+@triton.jit
+def _v_pass(pid, v_ptr, len_ptr, shift_ptr, inv_c_ptr, inv_r_ptr,
+            o_ptr, flag_ptr, scale_ptr, colsum_ptr, P: tl.constexpr):
+  """Program ``pid``: ``P.block`` output positions of one head of ``v``
+  ``[B, S, K, D]`` (:func:`v_pass`), stored transposed into ``[B, K, D,
+  P.out_keys]``; position ``16c + i`` holds key ``16c +
+  KEY_PERMUTATION[i]`` with ``P.key_order`` (rows gathered as they load,
+  each still a contiguous vector)."""
+  n_tiles = (P.out_keys + P.block - 1) // P.block
+  h = pid % P.heads
+  t = (pid // P.heads) % n_tiles
+  b = pid // (P.heads * n_tiles)
+  head = b * P.heads + h
+  pos = t * P.block + tl.arange(0, P.block)
+  if P.key_order:   # position 4t + 2h + l holds key 8h + 2t + l
+    i = pos % 16
+    key = pos - i + 8 * ((i // 2) % 2) + 2 * (i // 4) + i % 2
+  else:
+    key = pos
+  cols = tl.arange(0, P.dim_block)
+  col_ok = cols < P.dim
+  length = tl.minimum(tl.load(len_ptr + b), P.rows)
+  in_keys = key < P.rows
+  x = _load_rows(v_ptr, b, key, h, cols, in_keys[:, None] & col_ok[None, :],
+                 P)
+  visible = (key < length)[:, None]
+  if P.flags:
+    finite = tl.abs(x) < float("inf")
+    bad = tl.max(tl.where(finite, 0.0, 1.0), axis=1)
+    x = tl.where(finite, x, 0.0)
+  if P.shift:
+    shift = tl.load(shift_ptr + head * P.dim + cols, mask=col_ok, other=0.0)
+    y = tl.where(visible, x - shift[None, :], 0.0)
+  else:
+    y = tl.where(visible, x, 0.0)
+  if P.scale_c:
+    inv_c = tl.load(inv_c_ptr + head * P.dim + cols, mask=col_ok, other=0.0)
+    y = y * inv_c[None, :]
+  if P.scale_r:
+    inv_r = tl.load(inv_r_ptr + head * P.rows + key, mask=in_keys, other=0.0)
+    y = y * inv_r[:, None]
+  if P.group > 0:   # each group of keys its own scale
+    scale = (_group_max(tl.max(tl.abs(y), axis=1), P.block, P.group)
+             * P.rcp_qmax) if P.group > 1 else (tl.max(tl.abs(y), axis=1)
+                                                * P.rcp_qmax)
+    y = y * _reciprocal(scale)[:, None]
+    PER_TILE: tl.constexpr = P.block // P.group
+    GROUP: tl.constexpr = P.group
+    n_groups = (P.out_keys + P.group - 1) // P.group
+    g = t * PER_TILE + tl.arange(0, PER_TILE)
+    tl.store(scale_ptr + head * n_groups + g,
+             tl.max(tl.reshape(scale, [PER_TILE, GROUP]), axis=1),
+             mask=g < n_groups)
+  z = _to_8bit(y, P.qmax, P.fp8, P.hw_fp8)
+  out = (head * P.dim + cols).to(tl.int64)[:, None] * P.out_keys + pos[None, :]
+  tl.store(o_ptr + out, tl.trans(z),
+           mask=col_ok[:, None] & (pos < P.out_keys)[None, :])
+  if P.flags:
+    tl.store(flag_ptr + head * P.rows + key, bad > 0.0, mask=in_keys)
+  if P.colsum > 0:   # int8 column sums of each block of P.colsum keys
+    BLOCKS: tl.constexpr = P.block // P.colsum
+    KEYS: tl.constexpr = P.colsum
+    DIM_BLOCK: tl.constexpr = P.dim_block
+    n_blocks = (P.out_keys + P.colsum - 1) // P.colsum
+    sums = tl.sum(tl.reshape(z.to(tl.int32), [BLOCKS, KEYS, DIM_BLOCK]),
+                  axis=1)
+    blk = t * BLOCKS + tl.arange(0, BLOCKS)
+    tl.store(colsum_ptr + (head * n_blocks + blk).to(tl.int64)[:, None]
+             * P.dim + cols[None, :], sums,
+             mask=(blk < n_blocks)[:, None] & col_ok[None, :])
+
+
+# ----------------------------------------------------------------------------
+# The statistics pass.
+
+
+@triton.jit
+def _stats_step(acc0, acc1, acc2, x, visible, MASKED: tl.constexpr,
+                MODE: tl.constexpr):
+  """One step of rows into the elementwise accumulators: the sum (or amax)
+  of the finite values, and their max and min (``MODE == 2``); rows off
+  ``visible`` take no part where ``MASKED``."""
+  a = tl.abs(x)
+  keep = a < float("inf")
+  if MASKED:
+    keep = keep & visible[:, None]
+  if MODE == 3:
+    acc0 = tl.maximum(acc0, tl.where(keep, a, 0.0))
+  else:
+    xz = tl.where(keep, x, 0.0)
+    acc0 = acc0 + xz
+    if MODE == 2:
+      if MASKED:
+        acc1 = tl.maximum(acc1, tl.where(visible[:, None], xz, float("-inf")))
+        acc2 = tl.minimum(acc2, tl.where(visible[:, None], xz, float("inf")))
+      else:
+        acc1 = tl.maximum(acc1, xz)
+        acc2 = tl.minimum(acc2, xz)
+  return acc0, acc1, acc2
+
+
+@triton.jit
+def _stats_pass(pid, x_ptr, len_ptr, sum_ptr, max_ptr, min_ptr,
+                P: tl.constexpr):
+  """Program ``pid``: one range of ``P.split_rows`` keys of one head of
+  ``x`` ``[B, L, H, D]`` (:func:`stats_pass`), ``P.chunk`` rows a step
+  (each thread accumulates its elements; the rows are reduced once at the
+  end); the keys at or past the length take no part."""
+  h = pid % P.heads
+  split = (pid // P.heads) % P.splits
+  b = pid // (P.heads * P.splits)
+  length = tl.minimum(tl.load(len_ptr + b), P.rows)
+  start = split * P.split_rows
+  end = tl.minimum(start + P.split_rows, length)
+  cols = tl.arange(0, P.dim_block)
+  col_ok = cols < P.dim
+  steps = tl.maximum(end - start, 0) // P.chunk
+  CHUNK: tl.constexpr = P.chunk
+  DIM_BLOCK: tl.constexpr = P.dim_block
+  acc0 = tl.full([CHUNK, DIM_BLOCK], 0.0, tl.float32)
+  acc1 = tl.full([CHUNK, DIM_BLOCK], float("-inf"), tl.float32)
+  acc2 = tl.full([CHUNK, DIM_BLOCK], float("inf"), tl.float32)
+  # (the row offsets inline: in the interpreter a nested call per step
+  # costs more than the step)
+  row = ((b * P.rows + start + tl.arange(0, P.chunk)).to(tl.int64) * P.heads
+         + h) * P.dim
+  for i in range(0, steps):   # whole steps, unmasked rows
+    x = tl.load(x_ptr + (row + i * (P.chunk * P.heads * P.dim))[:, None]
+                + cols[None, :], mask=col_ok[None, :],
+                other=0.0).to(tl.float32)
+    acc0, acc1, acc2 = _stats_step(acc0, acc1, acc2, x, col_ok, False,
+                                   P.mode)
+  rows = start + steps * P.chunk + tl.arange(0, P.chunk)   # the rest
+  visible = rows < end
+  x = _load_rows(x_ptr, b, rows, h, cols, visible[:, None] & col_ok[None, :],
+                 P)
+  acc0, acc1, acc2 = _stats_step(acc0, acc1, acc2, x, visible, True, P.mode)
+  out = (b * P.heads + h) * P.splits + split
+  if P.mode == 3:
+    tl.store(sum_ptr + out, tl.max(tl.max(acc0, axis=1), axis=0))
+  else:
+    tl.store(sum_ptr + out * P.dim + cols, tl.sum(acc0, axis=0), mask=col_ok)
+    if P.mode == 2:
+      tl.store(max_ptr + out * P.dim + cols, tl.max(acc1, axis=0),
+               mask=col_ok)
+      tl.store(min_ptr + out * P.dim + cols, tl.min(acc2, axis=0),
+               mask=col_ok)
+
+
+# ----------------------------------------------------------------------------
+# One launch of up to three passes.
+
+
+@triton.jit
+def _run(pid, x, lens, a, b, c, o0, o1, o2, o3, P: tl.constexpr):
+  if P.kind == 1:
+    _rows_pass(pid, x, lens, a, b, c, o0, o1, o2, o3, P)
+  elif P.kind == 2:
+    _v_pass(pid, x, lens, a, b, c, o0, o1, o2, o3, P)
+  elif P.kind == 3:
+    _stats_pass(pid, x, lens, o0, o1, o2, P)
+
+
+@triton.jit
+def _passes_kernel(x0, l0, a0, b0, c0, x1, l1, a1, b1, c1, x2, l2, a2, b2, c2,
+                   o00, o01, o02, o03, o10, o11, o12, o13,
+                   o20, o21, o22, o23,
+                   P0: tl.constexpr, P1: tl.constexpr, P2: tl.constexpr):
+  """Up to three passes, each with five inputs (the tensor, the lengths and
+  three of the pass's own) and four outputs: program ``pid`` runs pass 0
+  below ``P0.programs``, then pass 1, then pass 2 (a branch on the program
+  id; each pass's code is its spec's)."""
+  pid = tl.program_id(0)
+  if P1.kind == 0:
+    _run(pid, x0, l0, a0, b0, c0, o00, o01, o02, o03, P0)
+  elif P2.kind == 0:
+    if pid < P0.programs:
+      _run(pid, x0, l0, a0, b0, c0, o00, o01, o02, o03, P0)
+    else:
+      _run(pid - P0.programs, x1, l1, a1, b1, c1, o10, o11, o12, o13, P1)
+  else:
+    if pid < P0.programs:
+      _run(pid, x0, l0, a0, b0, c0, o00, o01, o02, o03, P0)
+    elif pid < P0.programs + P1.programs:
+      _run(pid - P0.programs, x1, l1, a1, b1, c1, o10, o11, o12, o13, P1)
+    else:
+      _run(pid - P0.programs - P1.programs, x2, l2, a2, b2, c2, o20, o21,
+           o22, o23, P2)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+  """One pass of a launch (:func:`run_passes`): its static flags, its five
+  inputs and four outputs (None: a dummy), the warps it runs best on, and
+  ``finish``, which maps its four raw outputs to its results."""
+  spec: tuple
+  inputs: tuple
+  outputs: tuple
+  warps: int
+  finish: Callable
+
+
+def run_passes(*passes, num_warps: int | None = None, num_stages: int = 2):
+  """Runs ``passes`` (up to three besides None entries) in one launch of
+  :func:`_passes_kernel`; returns each pass's results, in a list aligned
+  with ``passes`` (None for a None entry).  ``num_warps``: by default the
+  most any pass asks for."""
+  given = passes
+  passes = [p for p in passes if p is not None]
+  if not 1 <= len(passes) <= 3:
+    raise ValueError(f"one launch runs one to three passes, got "
+                     f"{len(passes)}")
+  dummy = jnp.zeros((1,), jnp.float32)
+  dummy_out = jax.ShapeDtypeStruct((1,), jnp.float32)
+  slots = passes + [None] * (3 - len(passes))
+  args, shapes = [], []
+  for p in slots:
+    args += [dummy if p is None or a is None else a
+             for a in (p.inputs if p else (None,) * 5)]
+  for p in slots:
+    shapes += [dummy_out if p is None or s is None else s
+               for s in (p.outputs if p else (None,) * 4)]
+  specs = [p.spec if p else _EMPTY for p in slots]
+  outs = triton_call.launch(
+      _passes_kernel, *args, out_shape=tuple(shapes),
+      grid=(sum(s.programs for s in specs),),
+      num_warps=num_warps or max(p.warps for p in passes),
+      num_stages=num_stages, P0=specs[0], P1=specs[1], P2=specs[2])
+  results = iter([p.finish(*outs[4 * i:4 * i + 4])
+                  for i, p in enumerate(passes)])
+  return [None if p is None else next(results) for p in given]
+
+
+# ----------------------------------------------------------------------------
+# The passes.
+
+
+def _next_power_of_2(n: int) -> int:
+  return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _dim_block(d: int) -> int:
+  """Channels a program holds: a power of two, at least 16 (the bias's
+  products need 16)."""
+  return max(16, _next_power_of_2(d))
 
 
 def _default_tiles():
@@ -105,392 +667,25 @@ def _default_tiles():
   return ROWS_TILE, V_TILES
 
 
-def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
-              key_order=False, flag_nonfinite=False, block_s=None,
-              num_warps=None):
-  """The 8-bit V of the PV matmul in one pass (a Pallas kernel): ``[B, S, K,
-  D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
-  127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
-  * inv_channel * inv_row`` for keys below ``kv_lens`` and 0 beyond: the
-  quantizers' V values bit for bit (one of the two factors is 1; the
-  rounding is :func:`common.round_half_even`, which no fused multiply-add
-  can absorb).
-  ``shift``, ``inv_channel``: float32 ``[B, K, D]``; ``inv_row``: ``[B, K,
-  S]``.  One read of V and one write of its 8-bit copy: XLA would
-  transpose the 8-bit result in a second pass.  ``key_order``: the keys in
-  the Mosaic kernel's register-operand order (:func:`key_order`), ``S``
-  padded to a multiple of 16.
-
-  ``flag_nonfinite``: NaN/Inf elements of ``v`` count as 0, and the second
-  result flags the keys that hold one (bool ``[B, K, S]``; else None).
-  ``block_s`` (keys per tile) and ``num_warps`` are the kernel's knobs;
-  by default :data:`V_TILES` for ``dtype`` on the GPU.
-
-  Returns ``(v8, flags)``."""
-  b, s, nk, v_dim = v.shape
-  default_block_s, default_warps = _default_tiles()[1].get(
-      jnp.dtype(dtype).name, (128, 4))
-  block_s, num_warps = block_s or default_block_s, num_warps or default_warps
-  if key_order and block_s % 16:
-    raise ValueError(f"key_order reorders chunks of 16 keys: block_s must be "
-                     f"a multiple of 16, got {block_s}")
-  s_pad = common.round_up(s, block_s)
-  d_pad = pl.next_power_of_2(v_dim)  # blocks: powers of two, none crosses
-  v = common.pad_axis(common.pad_axis(v, 1, s_pad), 3, d_pad)  # an edge
-  inv_row = common.pad_axis(inv_row.astype(jnp.float32), 2, s_pad)
-  shift, inv_channel = (common.pad_axis(x.astype(jnp.float32), 2, d_pad)
-                        for x in (shift, inv_channel))
-  d = d_pad
-  chan = pl.BlockSpec((None, None, d), lambda bi, h, j: (bi, h, 0))
-  per_key = pl.BlockSpec((None, None, block_s), lambda bi, h, j: (bi, h, j))
-  out_specs = [pl.BlockSpec((None, None, d, block_s),
-                            lambda bi, h, j: (bi, h, 0, j))]
-  out_shape = [jax.ShapeDtypeStruct((b, nk, d, s_pad), dtype)]
-  if flag_nonfinite:
-    out_specs.append(per_key)
-    out_shape.append(jax.ShapeDtypeStruct((b, nk, s_pad), jnp.float32))
-  outs = pl.pallas_call(
-      functools.partial(_v_kernel, block_s=block_s, key_order=key_order),
-      grid=(b, nk, s_pad // block_s),
-      in_specs=[pl.BlockSpec((None, block_s, None, d),
-                             lambda bi, h, j: (bi, j, h, 0)),
-                pl.BlockSpec((None, 1), lambda bi, h, j: (bi, 0)),
-                chan, chan, per_key],
-      out_specs=out_specs, out_shape=out_shape,
-      compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
-                                               num_stages=2),
-      interpret=common.interpret(), name="jaxattn_v_operand",
-  )(v, jnp.asarray(kv_lens, jnp.int32).reshape(b, 1),
-    shift.astype(jnp.float32), inv_channel.astype(jnp.float32), inv_row)
-  v8 = outs[0][:, :, :v_dim, :common.round_up(s, 16) if key_order else s]
-  return v8, (outs[1][:, :, :s] > 0 if flag_nonfinite else None)
+def _lengths(lens, b: int):
+  return jnp.broadcast_to(jnp.asarray(lens, jnp.int32), (b,))
 
 
-def _column_stats_kernel(x_ref, len_ref, sum_ref, *extrema_refs, chunk):
-  """One split of the keys, ``[rows, D]``, ``chunk`` rows at a time: each
-  thread adds its elements into a ``[chunk, D]`` accumulator (and keeps
-  their max and min), which are reduced over the rows once at the end."""
-  rows = x_ref.shape[0]
-  first = pl.program_id(2) * rows
-  f32 = jnp.float32
-
-  def step(c, carry):
-    start = pl.multiple_of(c * chunk, chunk)
-    x = x_ref[pl.ds(start, chunk), :].astype(f32)
-    visible = ((first + start + jnp.arange(chunk)) < len_ref[0])[:, None]
-    x = jnp.where(visible & jnp.isfinite(x), x, 0.0)
-    total = carry[0] + x
-    if not extrema_refs:
-      return (total,)
-    return (total, jnp.maximum(carry[1], jnp.where(visible, x, -jnp.inf)),
-            jnp.minimum(carry[2], jnp.where(visible, x, jnp.inf)))
-
-  shape = (chunk, x_ref.shape[1])
-  init = (jnp.zeros(shape, f32),)
-  if extrema_refs:
-    init += (jnp.full(shape, -jnp.inf, f32), jnp.full(shape, jnp.inf, f32))
-  out = jax.lax.fori_loop(0, rows // chunk, step, init)
-  sum_ref[...] = out[0].sum(axis=0)
-  if extrema_refs:
-    extrema_refs[0][...] = out[1].max(axis=0)
-    extrema_refs[1][...] = out[2].min(axis=0)
+def _qmax(dtype, bits: int):
+  """``(qmax, fl(1 / qmax), fp8)`` of the 8-bit ``dtype``."""
+  fp8 = jnp.dtype(dtype) == jnp.float8_e4m3fn
+  if not fp8 and jnp.dtype(dtype) != jnp.int8:
+    raise ValueError(f"dtype must be int8 or float8_e4m3fn, got {dtype}")
+  qmax = FP8_MAX if fp8 else float(2 ** (bits - 1) - 1)
+  return qmax, float(np.float32(1.0 / qmax)), bool(fp8)
 
 
-# (most splits of the keys per head, rows per step, warps) of
-# :func:`column_stats`: V's sum, max and min at 2x8192x32x128 in 0.061 ms on
-# the H100, where XLA's column reduction took 0.138
-# (8ec7a27).
-COLUMN_STATS_TILES = (8, 32, 4)
-
-
-def _column_splits(steps: int) -> int:
-  """The most ranges, up to ``COLUMN_STATS_TILES[0]``, that split ``steps``
-  steps of keys evenly."""
-  return max(n for n in range(1, COLUMN_STATS_TILES[0] + 1)
-             if steps % n == 0)
-
-
-def column_stats_fits(s: int, d: int) -> bool:
-  """Whether :func:`column_stats` reads ``[B, s, H, d]`` in place and in
-  at least half its ranges: whole steps of keys, a head dim that is a
-  power of two (else it copies the tensor padded, which costs more than
-  the pass saves) and a step count with a divisor that large (else too
-  few programs read the tensor)."""
-  max_splits, chunk, _ = COLUMN_STATS_TILES
-  return (s % chunk == 0 and d == pl.next_power_of_2(d)
-          and 2 * _column_splits(s // chunk) >= max_splits)
-
-
-def column_stats(x, lens, *, extrema: bool):
-  """Per channel over the keys of ``x`` ``[B, S, H, D]`` below ``lens``
-  (int32 ``[B]``), NaN/Inf counted as 0 (:func:`jaxattn.nonfinite.finite`),
-  in one pass (a Pallas kernel): the float32 sum ``[B, H, D]`` and, with
-  ``extrema``, the max and min (-inf and inf where no key is visible).
-
-  The sum's order is the kernel's: each of up to ``splits`` equal ranges
-  of keys accumulates elementwise, ``chunk`` rows at a time, then reduces
-  its rows; the ranges are added after.  (XLA's column reduction orders it
-  otherwise, so the two sums may differ in the last bits.)  Shapes that
-  :func:`column_stats_fits` refuses are padded (a copy)."""
-  b, s, h, d = x.shape
-  _, chunk, num_warps = COLUMN_STATS_TILES
-  d_pad = pl.next_power_of_2(d)
-  x = common.pad_axis(common.pad_axis(x, 1, common.round_up(s, chunk)), 3,
-                      d_pad)
-  splits = _column_splits(x.shape[1] // chunk)
-  rows = x.shape[1] // splits
-  part = pl.BlockSpec((None, None, None, d_pad),
-                      lambda bi, hi, j: (bi, hi, j, 0))
-  n_out = 3 if extrema else 1
-  outs = pl.pallas_call(
-      functools.partial(_column_stats_kernel, chunk=chunk),
-      grid=(b, h, splits),
-      in_specs=[pl.BlockSpec((None, rows, None, d_pad),
-                             lambda bi, hi, j: (bi, j, hi, 0)),
-                pl.BlockSpec((None, 1), lambda bi, hi, j: (bi, 0))],
-      out_specs=[part] * n_out,
-      out_shape=[jax.ShapeDtypeStruct((b, h, splits, d_pad),
-                                      jnp.float32)] * n_out,
-      compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
-                                               num_stages=2),
-      interpret=common.interpret(), name="jaxattn_column_stats",
-  )(x, jnp.minimum(jnp.asarray(lens, jnp.int32), s).reshape(b, 1))
-  # the ranges added in order (a reduce would leave the order to XLA,
-  # which may change it with the program around it, e.g. per shard)
-  total = functools.reduce(jnp.add, [outs[0][:, :, i]
-                                     for i in range(splits)])[..., :d]
-  if not extrema:
-    return total, None, None
-  return total, outs[1].max(axis=2)[..., :d], outs[2].min(axis=2)[..., :d]
-
-
-def _rows_kernel(x_ref, len_ref, *refs, group, qmax, shift, bias_chunk,
-                 flag_nonfinite, given_scale, chunk):
-  """One ``[block, D]`` tile: ``y = where(row < len, x - shift, 0)``; per
-  group of ``group`` rows ``scale = fl(amax|y| * fl(1 / qmax))``; the 8-bit
-  ``y * fl(1 / scale)`` (int8: ``clip(rint(.), -qmax, qmax)``; fp8:
-  ``fl(clip(., -448, 448))``); with ``bias_chunk`` also ``q_m y^T`` in
-  float32 (SageAttention2's ``dS = q_m K_smoothed^T``) for every query
-  block mean ``q_m`` of the key head, ``bias_chunk`` rows at a time.
-  ``shift="tile_mean"``: the shift is the tile's own mean
-  (:func:`_tile_mean`), written to the output after the scales instead of
-  the bias.  With ``flag_nonfinite``, NaN/Inf elements count as 0 and the
-  last output flags the rows that hold one.  ``given_scale``: one scale
-  for the tile, given (the head's, from a whole-sequence amax), in place
-  of the groups' own.
-
-  ``chunk`` rows (whole groups, a divisor of the tile) are shifted, scaled
-  and stored at a time: with ``shift="tile_mean"`` the tile is read whole
-  for its mean and then again a chunk at a time (smaller chunks than the
-  tile), so that the threads do not hold the whole tile through the
-  quantization."""
-  refs = list(refs)
-  shift_ref = refs.pop(0) if shift == "given" else None
-  given_ref = refs.pop(0) if given_scale else None
-  qm_ref = refs.pop(0) if bias_chunk else None
-  bad_ref = refs.pop() if flag_nonfinite else None
-  o_ref, scale_ref, *extra_ref = refs   # extra: the bias or the tile mean
-  block = x_ref.shape[0]
-  first_row = pl.program_id(1) * block
-  tile = None      # the whole tile, where it is read whole anyway
-  if shift == "tile_mean":
-    tile = x_ref[...].astype(jnp.float32)
-    keep = ((first_row + jnp.arange(block)) < len_ref[0])[:, None]
-    shift_row = _tile_mean(tile, keep, len_ref[0] - first_row)
-    extra_ref[0][...] = shift_row
-  elif shift:
-    shift_row = shift_ref[...]
-
-  def rows(start, size):
-    """The shifted rows ``[start, start + size)`` of the tile, their amax
-    and (with ``flag_nonfinite``) their flags."""
-    if size == block and tile is not None:
-      x = tile
-    else:
-      x = x_ref[pl.ds(start, size), :].astype(jnp.float32)
-    keep = ((first_row + start + jnp.arange(size)) < len_ref[0])[:, None]
-
-    def shifted(x):
-      y = jnp.where(keep, x, 0.0)
-      if shift:
-        y = jnp.where(keep, y - shift_row[None, :], 0.0)
-      return y, jnp.abs(y).max(axis=1)
-
-    if not flag_nonfinite:
-      return (*shifted(x), None)
-    # One reduction gives the amax of rows without NaN/Inf: with NaN
-    # counted as inf, the largest row max is inf where the rows hold one
-    # (or where x - shift overflows, for float32 inputs).  Only such rows
-    # take a second pass, with them counted as 0, and are flagged.
-    y = x - shift_row[None, :] if shift else x
-    row_max = jnp.where(y == y, jnp.abs(y), jnp.inf).max(axis=1)
-
-    def second_pass():
-      finite = jnp.isfinite(x)
-      return (*shifted(jnp.where(finite, x, 0.0)),
-              jnp.where(finite, 0.0, 1.0).max(axis=1))
-
-    return jax.lax.cond(
-        row_max.max() == jnp.inf, second_pass,
-        lambda: (jnp.where(keep, y, 0.0), jnp.where(keep[:, 0], row_max, 0.0),
-                 jnp.zeros_like(row_max)))
-
-  def store(start, y, scale):
-    at = pl.ds(start, y.shape[0])
-    z = y * common.reciprocal_rn(scale)[:, None]
-    if o_ref.dtype == jnp.int8:
-      z = jnp.clip(common.round_half_even(z), -qmax, qmax)
-    else:
-      z = jnp.clip(z, -FP8_MAX, FP8_MAX)
-    o_ref[at, :] = z.astype(o_ref.dtype)
-    scale_ref[at] = scale
-
-  def own_scales(amax):  # [n] row amax -> [n] group scales (groups <= n)
-    n = amax.shape[0]
-    if group > 1:
-      per_group = amax.reshape(n // group, group).max(axis=1)
-      amax = jnp.broadcast_to(per_group[:, None],
-                              (n // group, group)).reshape(n)
-    return amax * np.float32(1.0 / qmax)
-
-  def given():
-    return jnp.broadcast_to(given_ref[...], (chunk,))
-
-  def quantize(start):
-    y, amax, bad = rows(start, chunk)
-    if flag_nonfinite:
-      bad_ref[pl.ds(start, chunk)] = bad
-    store(start, y, given() if given_scale else own_scales(amax))
-    if bias_chunk:                       # (the whole tile: start = 0)
-      _store_bias(qm_ref, extra_ref[0], y, amax, bias_chunk)
-
-  if chunk == block:
-    quantize(0)
-  else:
-    def step(c, carry):
-      quantize(pl.multiple_of(c * chunk, chunk))
-      return carry
-    jax.lax.fori_loop(0, block // chunk, step, 0)
-
-
-def _store_bias(qm_ref, bias_ref, y, amax, bias_chunk):
-  """``q_m y^T`` in float32 for the tile's rows ``y`` (row amax ``amax``)
-  into ``bias_ref`` ``[R, block]``, ``bias_chunk`` query means at a time.
-
-  The float32 products run on the tensor cores at float16's rate: each row
-  scaled into [-1, 1] by its amax and split into float16 hi + lo
-  (:func:`_f16_split`), then three products (hi*hi + hi*lo + lo*hi).  The
-  same three products in TF32 made the key pass 0.41 ms against 0.33 at
-  2x8192x32x128 on the H100 (8 warps); Triton's IEEE float32 dot runs on
-  the FMA units at a few percent of their peak."""
-  y_unit, y_norm = _f16_split(y, amax)
-  precision = jax.lax.Precision.HIGHEST if common.interpret() else None
-
-  def part(c, carry):
-    at = pl.ds(pl.multiple_of(c * bias_chunk, bias_chunk), bias_chunk)
-    qm = qm_ref[at, :]
-    dot = functools.partial(_rows_dot, precision=precision)
-    q_unit, q_norm = _f16_split(qm, jnp.abs(qm).max(axis=1))
-    unit = (dot(q_unit[0], y_unit[0]) + dot(q_unit[0], y_unit[1])
-            + dot(q_unit[1], y_unit[0]))
-    bias_ref[at, :] = (unit * q_norm[:, None]) * y_norm[None, :]
-    return carry
-  jax.lax.fori_loop(0, qm_ref.shape[0] // bias_chunk, part, 0)
-
-
-def _rows_dot(a, b, precision):
-  """``a b^T`` in float32.  Float16 products are exact in float32; in the
-  interpreter they are taken in float32, since XLA:CPU's float16 dot need
-  not keep them so."""
-  if common.interpret():
-    a, b = a.astype(jnp.float32), b.astype(jnp.float32)
-  return jax.lax.dot_general(a, b, (((1,), (1,)), ((), ())),
-                             preferred_element_type=jnp.float32,
-                             precision=precision)
-
-
-def _f16_split(x, amax):
-  """float32 rows ``x`` as ``amax * (hi + lo)``: ``(hi, lo)`` float16 with
-  ``|hi| <= 1`` and ``hi + lo`` within ``2^-22`` of ``x / amax`` (a row of
-  zeros keeps ``amax = 0``)."""
-  # (an amax below float32's smallest normal would overflow 1 / amax: such
-  # a row's products are below float32's range anyway, so they become 0)
-  amax = jnp.where(amax >= np.float32(np.finfo(np.float32).tiny), amax, 0.0)
-  unit = x * common.reciprocal_rn(amax)[:, None]
-  hi = unit.astype(jnp.float16)
-  if common.interpret():  # XLA would fold f32(f16(unit)) into unit (its
-    # excess precision), which zeroes lo
-    hi = jax.lax.optimization_barrier(hi)
-  lo = (unit - hi.astype(jnp.float32)).astype(jnp.float16)
-  return (hi, lo), amax
-
-
-def _tile_mean(x, keep, count):
-  """``fl(sum x * fl(1 / count))`` over the tile's kept rows (SageAttention2's
-  query-block mean, the sum in the kernel's order), NaN/Inf counted as 0
-  (as :func:`jaxattn.nonfinite.finite` does for the XLA means);
-  ``count``: the rows below the length."""
-  total = jnp.where(keep, x, 0.0).sum(axis=0)
-  # A finite sum holds no NaN/Inf (a float32 overflow takes the second sum
-  # too, with the same result); NaN counts as inf here, since the GPU's
-  # max passes over NaN.
-  total = jax.lax.cond(
-      jnp.where(total == total, jnp.abs(total), jnp.inf).max() < jnp.inf,
-      lambda: total,
-      lambda: jnp.where(keep & jnp.isfinite(x), x, 0.0).sum(axis=0))
-  rcp = common.reciprocal_rn(jnp.clip(count, 1, x.shape[0]).astype(
-      jnp.float32) * jnp.ones_like(total))
-  return common.multiply_rn(total, rcp)
-
-
-def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
-                 scale=None, bias_q_mean=None, block: int | None = None,
-                 num_warps: int | None = None, bias_chunk: int | None = None,
-                 chunk: int | None = None, flag_nonfinite: bool = False):
-  """Q or K quantized per group of rows in one pass (a Pallas kernel).
-
-  ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
-  are zeros: the key padding, or ``L`` for queries); ``group`` rows per
-  scale, a power of two dividing ``block`` (1: per token); ``dtype`` int8
-  (``qmax = 2^(bits-1) - 1``) or float8_e4m3fn (``qmax = 448``); ``shift``
-  float32 ``[B, 1, H, D]`` (the key mean) or ``[B, L / block, H, D]`` (one
-  per tile: the query-block means, ``block = block_q``), or
-  ``"tile_mean"``: each tile's own mean over its rows below ``lens``
-  (SageAttention2's query-block means, from the tile the pass reads
-  anyway; returned in place of the bias), subtracted before the scales.
-  Scales are ``fl(amax * fl(1/qmax))``, values
-  ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
-  (fp8), rounded exactly on the GPU through :func:`common.round_half_even`
-  and :func:`common.reciprocal_rn`.  ``scale`` float32 ``[B, H]``: one
-  given scale per head instead (per-tensor granularity: the amax over the
-  whole sequence is another pass's), which ``group`` then does not change.
-
-  ``bias_q_mean`` float32 ``[B, H, R, D]`` (SageAttention2's query-block
-  means, ``R`` rows per key head): also returns ``bias`` ``[B, H, R, L]`` =
-  ``q_m y^T`` in float32 (accumulation order aside, the reference's
-  ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
-  never reach memory.
-
-  ``block`` (rows per tile; default ``max(ROWS_TILE, group)`` on the GPU,
-  128 with the bias or in the interpreter), ``num_warps`` (default 4),
-  ``bias_chunk`` (query-mean rows per bias product, 16 to 64; default the
-  largest that divides) and ``chunk`` (rows shifted, scaled and stored at
-  once, a power of two dividing ``block`` into whole groups; default
-  :data:`CHUNK_ROWS` or one group with ``shift="tile_mean"``, else the
-  whole tile) are speed knobs (4 warps and 64-row products were the
-  fastest for the key pass with the bias on an H100:
-  da375f1).  They leave the values as they are,
-  except that on the GPU a tile mean's float32 sum may take another order
-  in Triton's layout.
-
-  ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
-  scales, the values and the bias), and the rows that hold one are
-  flagged.
-
-  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias, or
-  with ``shift="tile_mean"`` the means ``[B, ceil(L / block), H, D]``, or
-  None, flags bool [B, L, H] or None)``.
-  """
+def rows_pass(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
+              scale=None, bias_q_mean=None, block: int | None = None,
+              num_warps: int | None = None, bias_chunk: int | None = None,
+              chunk: int | None = None, flag_nonfinite: bool = False) -> Pass:
+  """:func:`rows_operand` as a pass of a launch (:func:`run_passes`); its
+  results are :func:`rows_operand`'s."""
   b, n_rows, h, d = x.shape
   if group not in (1, 2, 4, 8, 16, 32, 64, 128):
     raise ValueError(f"group must be a power of two up to 128, got {group}")
@@ -506,24 +701,14 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   if scale is None and block % group:
     raise ValueError(f"a tile of {block} rows does not hold whole groups of "
                      f"{group}")
-  d_block = pl.next_power_of_2(d)
-  # Rows padded to whole tiles and D to a power of two (copies only then):
-  # the Triton lowering does not mask the stores of a tile past the end of
-  # an axis (a partial last tile wrote over the next batch's first rows on
-  # the GPU), so no tile may cross one.
-  rows_pad = common.round_up(n_rows, block)
-  x = common.pad_axis(common.pad_axis(x, 1, rows_pad), 3, d_block)
-  grid = (b, rows_pad // block, h)
-  qmax = FP8_MAX if dtype == jnp.float8_e4m3fn else 2 ** (bits - 1) - 1
-  in_specs = [pl.BlockSpec((None, block, None, d_block),
-                           lambda bi, j, hi: (bi, j, hi, 0)),
-              pl.BlockSpec((None, 1), lambda bi, j, hi: (bi, 0))]
-  args = [x, jnp.minimum(jnp.asarray(lens, jnp.int32), n_rows).reshape(b, 1)]
+  if block & (block - 1):
+    raise ValueError(f"block must be a power of two, got {block}")
   if tile_mean and (shift != "tile_mean" or bias_q_mean is not None):
     raise ValueError(f"shift is an array or 'tile_mean' (without the bias),"
                      f" got {shift!r}")
-  if chunk is None:
-    chunk = min(block, max(CHUNK_ROWS, group)) if tile_mean else block
+  if chunk is None:   # (the interpreter: the whole tile, fewer steps)
+    chunk = (min(block, max(CHUNK_ROWS, group))
+             if tile_mean and not common.interpret() else block)
   whole_groups = scale is not None or chunk % group == 0
   if (chunk < 1 or chunk & (chunk - 1) or chunk > block or block % chunk
       or not whole_groups):
@@ -533,59 +718,287 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
         + f", got {chunk}")
   if bias_q_mean is not None and chunk != block:
     raise ValueError("the key pass with the bias takes its tile whole")
-  if shift is not None and not tile_mean:
-    per_tile = shift.shape[1] > 1
-    in_specs.append(pl.BlockSpec(
-        (None, None, None, d_block),
-        lambda bi, j, hi: (bi, j if per_tile else 0, hi, 0)))
-    args.append(common.pad_axis(shift.astype(jnp.float32), 3, d_block))
-  if scale is not None:
-    if bias_q_mean is not None or tile_mean:
-      raise ValueError("a given scale goes without the bias and tile means")
-    in_specs.append(pl.BlockSpec((None, None, 1),
-                                 lambda bi, j, hi: (bi, hi, 0)))
-    args.append(jnp.asarray(scale, jnp.float32).reshape(b, h, 1))
-  out_specs = [pl.BlockSpec((None, block, None, d_block),
-                            lambda bi, j, hi: (bi, j, hi, 0)),
-               pl.BlockSpec((None, block, None), lambda bi, j, hi: (bi, j, hi))]
-  out_shape = [jax.ShapeDtypeStruct(x.shape, dtype),
-               jax.ShapeDtypeStruct((b, rows_pad, h), jnp.float32)]
-  if bias_q_mean is None:
-    bias_chunk = 0
-  else:
-    r = bias_q_mean.shape[2]
-    r_pad = common.round_up(r, 16)
-    bias_chunk = bias_chunk or next(c for c in (64, 32, 16) if r_pad % c == 0)
-    r_pad = common.round_up(r_pad, bias_chunk)
-    in_specs.append(pl.BlockSpec((None, None, r_pad, d_block),
-                                 lambda bi, j, hi: (bi, hi, 0, 0)))
-    args.append(common.pad_axis(common.pad_axis(
-        bias_q_mean.astype(jnp.float32), 2, r_pad), 3, d_block))
-    out_specs.append(pl.BlockSpec((None, None, r_pad, block),
-                                  lambda bi, j, hi: (bi, hi, 0, j)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, r_pad, rows_pad),
-                                          jnp.float32))
+  if scale is not None and (bias_q_mean is not None or tile_mean):
+    raise ValueError("a given scale goes without the bias and tile means")
+  n_tiles = -(-n_rows // block)
+  qmax, rcp_qmax, fp8 = _qmax(dtype, bits)
+  shift_kind, shift_arr = _SHIFT_NONE, None
   if tile_mean:
-    out_specs.append(pl.BlockSpec((None, None, None, d_block),
-                                  lambda bi, j, hi: (bi, j, hi, 0)))
-    out_shape.append(jax.ShapeDtypeStruct((b, rows_pad // block, h, d_block),
-                                          jnp.float32))
-  if flag_nonfinite:
-    out_specs.append(out_specs[1])
-    out_shape.append(out_shape[1])
-  outs = pl.pallas_call(
-      functools.partial(_rows_kernel, group=group, qmax=qmax,
-                        shift=("tile_mean" if tile_mean else
-                               "given" if shift is not None else None),
-                        bias_chunk=bias_chunk, chunk=chunk,
-                        flag_nonfinite=flag_nonfinite,
-                        given_scale=scale is not None),
-      grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      compiler_params=pl_triton.CompilerParams(
-          num_warps=num_warps or 4, num_stages=2),
-      interpret=common.interpret(), name="jaxattn_rows_operand",
-  )(*args)
-  bias = (outs[2][:, :, :bias_q_mean.shape[2], :n_rows] if bias_chunk
-          else outs[2][..., :d] if tile_mean else None)
-  flags = outs[-1][:, :n_rows] > 0 if flag_nonfinite else None
-  return outs[0][:, :n_rows, :, :d], outs[1][:, :n_rows], bias, flags
+    shift_kind = _SHIFT_TILE_MEAN
+  elif shift is not None:
+    per_tile = shift.shape[1] > 1
+    if per_tile and shift.shape[1] != n_tiles:
+      raise ValueError(f"a per-tile shift has one row per tile of {block} "
+                       f"rows: {n_tiles}, got {shift.shape[1]}")
+    shift_kind = _SHIFT_TILE if per_tile else _SHIFT_HEAD
+    shift_arr = jnp.asarray(shift, jnp.float32)
+  r = 0 if bias_q_mean is None else bias_q_mean.shape[2]
+  if r:
+    bias_chunk = bias_chunk or BIAS_CHUNK
+    if bias_chunk not in (16, 32, 64, 128):
+      raise ValueError(f"bias_chunk must be 16, 32, 64 or 128, got "
+                       f"{bias_chunk}")
+  spec = RowsSpec(
+      kind=_ROWS, programs=b * n_tiles * h, batch=b, rows=n_rows, heads=h,
+      dim=d, dim_block=_dim_block(d), block=block, chunk=chunk,
+      group=group, rcp_qmax=rcp_qmax, qmax=qmax, fp8=fp8,
+      hw_fp8=not common.interpret(), shift=shift_kind,
+      given_scale=scale is not None, bias_rows=r,
+      bias_chunk=bias_chunk if r else 0, flags=bool(flag_nonfinite))
+  f32 = jnp.float32
+  extra = None
+  if r:
+    extra = jax.ShapeDtypeStruct((b, h, r, n_rows), f32)
+  elif tile_mean:
+    extra = jax.ShapeDtypeStruct((b, n_tiles, h, d), f32)
+  per_row = jax.ShapeDtypeStruct((b, n_rows, h), f32)
+
+  def finish(x8, sc, extra_out, flags):
+    return (x8, sc, extra_out if extra is not None else None,
+            flags if flag_nonfinite else None)
+
+  return Pass(
+      spec=spec,
+      inputs=(x, _lengths(lens, b), shift_arr,
+              None if scale is None else jnp.broadcast_to(
+                  jnp.asarray(scale, f32), (b, h)),
+              None if not r else jnp.asarray(bias_q_mean, f32)),
+      outputs=(jax.ShapeDtypeStruct(x.shape, dtype), per_row, extra,
+               jax.ShapeDtypeStruct((b, n_rows, h), jnp.bool_)
+               if flag_nonfinite else None),
+      warps=num_warps or (LARGE_TILE_WARPS
+                          if r or block * _dim_block(d) > 64 * 128
+                          else ROWS_WARPS),
+      finish=finish)
+
+
+def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
+                 scale=None, bias_q_mean=None, block: int | None = None,
+                 num_warps: int | None = None, bias_chunk: int | None = None,
+                 chunk: int | None = None, flag_nonfinite: bool = False):
+  """Q or K quantized per group of rows in one pass (a Triton kernel).
+
+  ``x`` ``[B, L, H, D]`` float; ``lens`` int32 ``[B]`` (rows at or beyond
+  are zeros: the key padding, or ``L`` for queries); ``group`` rows per
+  scale, a power of two dividing ``block`` (1: per token); ``dtype`` int8
+  (``qmax = 2^(bits-1) - 1``) or float8_e4m3fn (``qmax = 448``); ``shift``
+  float32 ``[B, 1, H, D]`` (the key mean) or ``[B, L / block, H, D]`` (one
+  per tile: the query-block means, ``block = block_q``), or
+  ``"tile_mean"``: each tile's own mean over its rows below ``lens``
+  (SageAttention2's query-block means, from the tile the pass reads
+  anyway; returned in place of the bias), subtracted before the scales.
+  Scales are ``fl(amax * fl(1/qmax))``, values
+  ``clip(rint(y * fl(1/scale)))`` (int8) or ``fl(clip(y * fl(1/scale)))``
+  (fp8), rounded exactly (the module docstring).  ``scale`` float32 ``[B,
+  H]``: one given scale per head instead (per-tensor granularity: the
+  amax over the whole sequence is another pass's), which ``group`` then
+  does not change.
+
+  ``bias_q_mean`` float32 ``[B, H, R, D]`` (SageAttention2's query-block
+  means, ``R`` rows per key head): also returns ``bias`` ``[B, H, R, L]`` =
+  ``q_m y^T`` in float32 (accumulation order aside, the reference's
+  ``q_m K_smoothed^T``) from the same tile, so the smoothed float32 keys
+  never reach memory.
+
+  ``block`` (rows per tile, a power of two; default ``max(ROWS_TILE,
+  group)`` on the GPU, 128 with the bias or in the interpreter),
+  ``num_warps`` (default :data:`ROWS_WARPS`, :data:`LARGE_TILE_WARPS` with
+  the bias or a tile of more than 64 x 128), ``bias_chunk`` (query-mean
+  rows per bias product: 16, 32, 64 or 128; default :data:`BIAS_CHUNK`)
+  and ``chunk`` (rows shifted, scaled and stored at once, a power of two
+  dividing ``block`` into whole groups; default :data:`CHUNK_ROWS` or one
+  group with ``shift="tile_mean"`` on the GPU, which then reads the tile
+  twice, else the whole tile) are speed knobs.  They leave the values as
+  they are, except that a tile mean's float32 sum takes the order of its
+  chunks (and on the GPU of Triton's layout), and the bias's the order of
+  its products.
+
+  ``flag_nonfinite``: NaN/Inf elements of ``x`` count as 0 (in the
+  scales, the values and the bias), and the rows that hold one are
+  flagged.
+
+  Returns ``(x8 [B, L, H, D], scale [B, L, H] float32 per row, bias, or
+  with ``shift="tile_mean"`` the means ``[B, ceil(L / block), H, D]``, or
+  None, flags bool [B, L, H] or None)``.
+  """
+  p = rows_pass(x, lens, group=group, dtype=dtype, bits=bits, shift=shift,
+                scale=scale, bias_q_mean=bias_q_mean, block=block,
+                num_warps=num_warps, bias_chunk=bias_chunk, chunk=chunk,
+                flag_nonfinite=flag_nonfinite)
+  return run_passes(p)[0]
+
+
+def v_pass(v, kv_lens, *, dtype, shift=None, inv_channel=None,
+           inv_row=None, group: int | None = None, colsum: int | None = None,
+           key_order=False, flag_nonfinite=False, block_s=None,
+           num_warps=None) -> Pass:
+  """:func:`v_operand` as a pass of a launch, with these options besides:
+  ``shift``, ``inv_channel``, ``inv_row`` may be None (0, 1, 1: the
+  operations are left out, which changes no value); ``group``: each group
+  of ``group`` keys (a power of two, with ``key_order`` at least 16) scaled
+  by its own ``fl(amax * fl(1/qmax))`` (the amax over the group's finite
+  visible values, after the given shift and scales), returned as
+  ``[B, K, ceil(S / group)]``; ``colsum`` (int8): the column sums of each
+  block of ``colsum`` keys, int32 ``[B, K, ceil(S / colsum), D]``.
+
+  Results: ``(v8, flags or None, group scales or None, column sums or
+  None)``."""
+  b, s, nk, v_dim = v.shape
+  default_block_s, default_warps = _default_tiles()[1].get(
+      jnp.dtype(dtype).name, (128, 4))
+  block_s = block_s or max(default_block_s, group or 1, colsum or 1)
+  if block_s & (block_s - 1) or block_s < 16:
+    raise ValueError(f"block_s must be a power of two of at least 16, got "
+                     f"{block_s}")
+  for name, n in (("group", group), ("colsum", colsum)):
+    if n and (n & (n - 1) or block_s % n or (key_order and n % 16)):
+      raise ValueError(f"{name} must be a power of two dividing block_s "
+                       f"({block_s}), a multiple of 16 with key_order, got "
+                       f"{n}")
+  qmax, rcp_qmax, fp8 = _qmax(dtype, 8)
+  if colsum and fp8:
+    raise ValueError("column sums are int8's")
+  out_keys = common.round_up(s, 16) if key_order else s
+  n_tiles = -(-out_keys // block_s)
+  f32 = jnp.float32
+  spec = VSpec(
+      kind=_V, programs=b * nk * n_tiles, batch=b, rows=s, heads=nk,
+      dim=v_dim, dim_block=_dim_block(v_dim), block=block_s,
+      out_keys=out_keys, key_order=bool(key_order), shift=shift is not None,
+      scale_c=inv_channel is not None, scale_r=inv_row is not None,
+      group=group or 0, rcp_qmax=rcp_qmax, qmax=qmax, fp8=fp8,
+      hw_fp8=not common.interpret(), flags=bool(flag_nonfinite),
+      colsum=colsum or 0)
+  as_f32 = lambda a: None if a is None else jnp.asarray(a, f32)
+
+  def finish(v8, flags, scales, sums):
+    return (v8, flags if flag_nonfinite else None,
+            scales if group else None, sums if colsum else None)
+
+  return Pass(
+      spec=spec,
+      inputs=(v, _lengths(kv_lens, b), as_f32(shift), as_f32(inv_channel),
+              as_f32(inv_row)),
+      outputs=(jax.ShapeDtypeStruct((b, nk, v_dim, out_keys), dtype),
+               jax.ShapeDtypeStruct((b, nk, s), jnp.bool_)
+               if flag_nonfinite else None,
+               jax.ShapeDtypeStruct((b, nk, -(-out_keys // group)), f32)
+               if group else None,
+               jax.ShapeDtypeStruct((b, nk, -(-out_keys // colsum), v_dim),
+                                    jnp.int32) if colsum else None),
+      warps=num_warps or default_warps, finish=finish)
+
+
+def v_operand(v, kv_lens, *, shift, inv_channel, inv_row, dtype,
+              key_order=False, flag_nonfinite=False, block_s=None,
+              num_warps=None):
+  """The 8-bit V of the PV matmul in one pass (a Triton kernel): ``[B, S,
+  K, D]`` float -> ``[B, K, D, S]`` ``dtype`` (int8: ``clip(round(y), -127,
+  127)``; float8_e4m3fn: ``fl(clip(y, -448, 448))``) with ``y = (v - shift)
+  * inv_channel * inv_row`` for keys below ``kv_lens`` and 0 beyond: the
+  quantizers' V values bit for bit (one of the two factors is 1; the
+  rounding is exact, the module docstring).
+  ``shift``, ``inv_channel``: float32 ``[B, K, D]``; ``inv_row``: ``[B, K,
+  S]``.  One read of V and one write of its 8-bit copy: XLA would
+  transpose the 8-bit result in a second pass.  ``key_order``: the keys in
+  the Mosaic kernel's register-operand order (:func:`key_order`), ``S``
+  padded to a multiple of 16.
+
+  ``flag_nonfinite``: NaN/Inf elements of ``v`` count as 0, and the second
+  result flags the keys that hold one (bool ``[B, K, S]``; else None).
+  ``block_s`` (keys per tile, a power of two of at least 16) and
+  ``num_warps`` are the kernel's knobs; by default :data:`V_TILES` for
+  ``dtype`` on the GPU.
+
+  Returns ``(v8, flags)``."""
+  p = v_pass(v, kv_lens, dtype=dtype, shift=shift, inv_channel=inv_channel,
+             inv_row=inv_row, key_order=key_order,
+             flag_nonfinite=flag_nonfinite, block_s=block_s,
+             num_warps=num_warps)
+  return run_passes(p)[0][:2]
+
+
+def _column_splits(steps: int) -> int:
+  """The most ranges, up to ``COLUMN_STATS_TILES[0]``, that split ``steps``
+  steps of keys evenly."""
+  return max(n for n in range(1, COLUMN_STATS_TILES[0] + 1)
+             if steps % n == 0)
+
+
+def column_stats_fits(s: int, d: int) -> bool:
+  """Whether :func:`column_stats` reads ``[B, s, H, d]`` in whole steps of
+  keys split evenly into at least half its ranges, with a head dim that
+  is a power of two: the shapes at which :func:`jaxattn.operands.
+  sage_v_stats` takes the kernel's statistics (the XLA reduction's
+  elsewhere).  Every shape is read in place (masked tails)."""
+  max_splits, chunk, _ = COLUMN_STATS_TILES
+  return (s % chunk == 0 and d == _next_power_of_2(d)
+          and 2 * _column_splits(s // chunk) >= max_splits)
+
+
+def stats_pass(x, lens, *, mode: int, num_warps: int | None = None,
+               chunk: int | None = None) -> Pass:
+  """Per head over the rows of ``x`` ``[B, L, H, D]`` below ``lens``,
+  NaN/Inf counted as 0, as a pass of a launch; ``mode``:
+
+  * :data:`STATS_SUM`: the float32 sum per channel ``[B, H, D]``;
+  * :data:`STATS_EXTREMA`: ``(sum, max, min)`` per channel (-inf and inf
+    where no row is visible);
+  * :data:`STATS_AMAX`: ``max |x|`` per head ``[B, H]`` (0 where no row
+    is visible).
+
+  The rows split into up to ``COLUMN_STATS_TILES[0]`` ranges per head
+  (programs), each ``chunk`` rows a step: each thread accumulates its
+  elements, the rows are reduced once at the end, and the ranges are added
+  in order after (XLA's reduction orders the sum otherwise: the two may
+  differ in the last bits; max, min and amax are exact)."""
+  b, n_rows, h, d = x.shape
+  max_splits, gpu_chunk, warps = COLUMN_STATS_TILES
+  chunk = chunk or (INTERPRET_STATS_CHUNK if common.interpret()
+                    else gpu_chunk)
+  split_rows = common.round_up(max(1, -(-n_rows // max_splits)), chunk)
+  splits = max(1, -(-n_rows // split_rows))
+  spec = StatsSpec(kind=_STATS, programs=b * h * splits, batch=b,
+                   rows=n_rows, heads=h, dim=d, dim_block=_dim_block(d),
+                   chunk=chunk, split_rows=split_rows, splits=splits,
+                   mode=mode)
+  f32 = jnp.float32
+  part = jax.ShapeDtypeStruct((b, h, splits, d), f32)
+  if mode == STATS_AMAX:
+    outputs = (jax.ShapeDtypeStruct((b, h, splits), f32), None, None, None)
+  elif mode == STATS_EXTREMA:
+    outputs = (part, part, part, None)
+  elif mode == STATS_SUM:
+    outputs = (part, None, None, None)
+  else:
+    raise ValueError(f"unknown statistics mode {mode!r}")
+
+  def finish(total, hi, lo, _):
+    if mode == STATS_AMAX:
+      return total.max(axis=2)
+    # the ranges added in order (a reduce would leave the order to XLA,
+    # which may change it with the program around it, e.g. per shard)
+    total = functools.reduce(jnp.add, [total[:, :, i] for i in range(splits)])
+    if mode == STATS_SUM:
+      return total
+    return total, hi.max(axis=2), lo.min(axis=2)
+
+  return Pass(spec=spec, inputs=(x, _lengths(lens, b), None, None, None),
+              outputs=outputs, warps=num_warps or warps, finish=finish)
+
+
+def column_stats(x, lens, *, extrema: bool):
+  """Per channel over the keys of ``x`` ``[B, S, H, D]`` below ``lens``
+  (int32 ``[B]``), NaN/Inf counted as 0 (:func:`jaxattn.nonfinite.finite`),
+  in one pass (a Triton kernel, :func:`stats_pass`): the float32 sum ``[B,
+  H, D]`` and, with ``extrema``, the max and min (-inf and inf where no key
+  is visible).
+
+  The sum's order is the kernel's: each of up to ``COLUMN_STATS_TILES[0]``
+  equal ranges of keys accumulates elementwise, a step of rows at a time,
+  then reduces its rows; the ranges are added after.  (XLA's column
+  reduction orders it otherwise, so the two sums may differ in the last
+  bits.)"""
+  out = run_passes(stats_pass(
+      x, lens, mode=STATS_EXTREMA if extrema else STATS_SUM))[0]
+  return out if extrema else (out, None, None)

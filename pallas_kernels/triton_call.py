@@ -29,7 +29,9 @@ import numpy as np
 
 from pallas_kernels import common
 
-_LOCK = threading.Lock()
+# The interpreter and the module patches it needs are process-global: the
+# callbacks of several devices (a mesh of CPU devices) take turns.
+_LOCK = threading.RLock()
 
 
 class _NoTriton:
@@ -102,12 +104,14 @@ def _interpret(kernel, args, shapes, grid, constexprs):
 
   def host(*values):
     # (the interpreter takes scalars as Python numbers, floats as float32)
-    full = [a.item() if isinstance(a, np.generic) else a for a in args]
-    for i, x in zip(positions, values):
-      full[i] = _to_torch(np.asarray(x))
-    outs = [_poisoned(s) for s in shapes]
-    _run_interpreted(kernel, grid, full + outs, constexprs)
-    return tuple(_to_numpy(o, s.dtype) for o, s in zip(outs, shapes))
+    with _LOCK:   # one at a time: see _run_interpreted
+      full = [a.item() if isinstance(a, np.generic) else a for a in args]
+      for i, x in zip(positions, values):
+        full[i] = _to_torch(np.asarray(x))
+      outs = [_poisoned(s) for s in shapes]
+      _run_interpreted(kernel, grid, full + outs, constexprs)
+      return tuple(np.array(_to_numpy(o, s.dtype)) for o, s in
+                   zip(outs, shapes))
 
   return jax.pure_callback(host, tuple(shapes), *arrays)
 
@@ -217,5 +221,5 @@ def _run_interpreted(kernel, grid, args, constexprs):
   modules = [m for n, m in list(sys.modules.items())
              if n == "triton.language" or n.startswith("triton.language.")]
   modules.append(sys.modules[fn.__module__])
-  with _LOCK, _interpreted(modules):
+  with _interpreted(modules):
     InterpretedFunction(fn)[grid](*args, **constexprs)

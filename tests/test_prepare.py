@@ -1,8 +1,12 @@
-"""The kernels' quantizers (jaxattn/operands.py and the Pallas kernels of
-pallas_kernels/quantizers.py, written on BTNH arrays for speed) against the references' (per head through vmap): the same
-quantized values and scales, bit for bit, over every granularity, with key
-padding, GQA and lengths that are not multiples of the groups."""
-import functools
+"""The kernels' quantizers (jaxattn/operands.py and the Triton passes of
+pallas_kernels/quantizers.py, written on BTNH arrays for speed) against the
+references' (per head through vmap): the same quantized values and scales,
+bit for bit given the same means, over every granularity, with key
+padding, GQA and lengths that are not multiples of the groups.  The means
+that the passes sum themselves (sage's key mean, query-block means and V
+mean) are compared to float32 summation order."""
+import contextlib
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -13,7 +17,7 @@ import jax.numpy as jnp
 from jaxattn import data, fmha, fp8, int_flash, nonfinite, quant, sage
 from jaxattn import methods
 from jaxattn import operands as prepare
-from pallas_kernels import quantizers
+from pallas_kernels import quantizers, triton_call
 
 
 def _inputs(seed, b=2, t=300, s=260, n=4, kh=2, d=64):
@@ -22,6 +26,31 @@ def _inputs(seed, b=2, t=300, s=260, n=4, kh=2, d=64):
           jax.random.normal(kk, (b, s, kh, d), jnp.float16) + 1.5,
           jax.random.normal(kv, (b, s, kh, d), jnp.float16),
           jnp.array([s - 10, s][:b], jnp.int32))
+
+
+@contextlib.contextmanager
+def _given_means(k=None, k_mean=None, v_stats=None):
+  """The XLA quantizers (:func:`prepare.sage_inputs`) given the kernels'
+  statistics: ``k_mean`` as the mean of the traced keys ``k`` (other
+  tensors' means are XLA's), ``v_stats`` (``v_mean``, ``v_scale``) as V's."""
+  key_mean, v_stats_fn = prepare._key_mean, prepare.sage_v_stats
+  with mock.patch.object(
+      prepare, "_key_mean",
+      lambda x, lens: k_mean if k_mean is not None and x is k
+      else key_mean(x, lens)), \
+      mock.patch.object(prepare, "sage_v_stats",
+                        lambda *a, **kw: dict(v_stats) if v_stats is not None
+                        else v_stats_fn(*a, **kw)):
+    yield
+
+
+def _assert_to_summation_order(got, want):
+  """float32 sums of the same terms in another order: rtol 1e-6 relative
+  to the largest |value|."""
+  got, want = np.asarray(got), np.asarray(want)
+  assert got.shape == want.shape, (got.shape, want.shape)
+  np.testing.assert_allclose(got, want, rtol=1e-6,
+                             atol=1e-6 * np.abs(want).max())
 
 
 def _assert_same(fast, ref, approx=()):
@@ -88,9 +117,10 @@ def test_fp8_inputs_equal_reference(opts):
     ids=str)
 def test_kernel_inputs_v_equals_reference_transposed(method, opts):
   """The 8-bit V of the kernels' inputs, written transposed by the one-pass
-  Pallas kernel (quantizers.v_operand), is the reference quantizer's V
-  transposed, bit for bit (key padding, a length that is not a multiple of
-  the kernel's 128-key tile)."""
+  Triton kernel (the V pass), is the reference quantizer's V transposed,
+  bit for bit (sage's given the same V statistics, whose mean is the
+  kernel's sum: to summation order; key padding, a length that is not a
+  multiple of the kernel's 128-key tile)."""
   q, k, v, lens = _inputs(11, s=250)
   cfg = methods.get(method).config_cls.from_options(**opts)
   p = jax.jit(lambda *a: prepare.quantized_operands(
@@ -100,6 +130,19 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
       "int8": lambda *a: int_flash.int8_quantize(*a, config=cfg),
       "fp8": lambda *a: fp8.fp8_quantize(*a, config=cfg)}[method])(
           q, k, v, lens)
+  if method == "sage":
+    # V's statistics are the first launch's (its mean a float32 sum: to
+    # summation order against the reference's); given them, the XLA
+    # quantizer's V (sage_inputs, the reference's bit for bit) is V
+    stats = jax.jit(lambda *a: prepare.fused_operands(
+        method, *a, scale=0.1, config=cfg))(q, k, v, lens)
+    stats = {n: stats[n] for n in ("v_mean", "v_scale")}
+    np.testing.assert_array_equal(np.asarray(p.out_shift),
+                                  np.asarray(stats["v_mean"]))
+    _assert_to_summation_order(stats["v_mean"], ref["v_mean"])
+    with _given_means(v_stats=stats):
+      ref = jax.jit(lambda *a: prepare.sage_inputs(
+          *a, scale=0.1, config=cfg))(q, k, v, lens)
   assert p.v.shape == (2, 2, 64, 250)
   np.testing.assert_array_equal(
       np.asarray(p.v.astype(jnp.float32)),
@@ -110,7 +153,7 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
                                              ({"k": 3.0, "v": 2.5}, False)],
                          ids=str)
 def test_fmha_operands_equal_reference(amax, key_order):
-  """The FMHA's Pallas passes give :func:`fmha.fmha_quantize`'s values bit
+  """The FMHA's Triton passes give :func:`fmha.fmha_quantize`'s values bit
   for bit (dynamic and static amax; V in the Mosaic key order or not, with
   its block column sums), with a NaN query row, an Inf key and a NaN value
   (those count as 0 in the amax and the values, and only their rows are
@@ -175,10 +218,12 @@ def test_v_in_mosaic_key_order(method):
     ("fp8", dict(granularity="block", block_k=128, block_q=64), dict(s=77)),
 ], ids=str)
 def test_fused_qk_equals_xla_quantizers(method, opts, shape):
-  """The one-pass Pallas quantizer of Q and K (quantizers.rows_operand through
-  prepare.fused_qk) gives the XLA quantizers' values and scales bit for bit,
-  and the SageAttention2 bias to float32 accumulation order (key padding,
-  lengths that are not multiples of the 128-row tile, head dim 96)."""
+  """The one-pass Triton quantizer of Q and K (quantizers.rows_operand through
+  prepare.fused_qk) gives the XLA quantizers' values and scales bit for bit
+  (sage's given the same key mean, which is the kernel's sum: to summation
+  order), and the SageAttention2 bias to float32 accumulation order (key
+  padding, lengths that are not multiples of the 128-row tile, head dim
+  96)."""
   q, k, v, lens = _inputs(len(str(opts)) + len(str(shape)), **shape)
   if method == "fp8" and "granularity" not in opts:
     # per head: the amax must pass over NaN/Inf and keys past the length
@@ -188,8 +233,16 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
   fused = jax.jit(lambda *a: prepare.fused_qk(
       method, *a, scale=0.125, config=cfg))(q, k, lens)
   if method == "sage":
-    ref = jax.jit(functools.partial(prepare.sage_inputs, scale=0.125,
-                                    config=cfg))(q, k, v, lens)
+    # the key mean is the first launch's column sums: to summation order
+    # against XLA's; the XLA quantizers given it, bit for bit
+    _assert_to_summation_order(
+        fused["k_mean"], prepare._key_mean(k, lens) if cfg.smooth_k
+        else np.zeros(fused["k_mean"].shape))
+
+    def xla(q, k, v, lens):
+      with _given_means(k=k, k_mean=fused["k_mean"]):
+        return prepare.sage_inputs(q, k, v, lens, scale=0.125, config=cfg)
+    ref = jax.jit(xla)(q, k, v, lens)
     ref_scale = ref["q_scale_folded"] / sage.log2_scale(0.125)
   else:
     quantizer = {"int8": prepare.int8_inputs, "fp8": prepare.fp8_inputs}
@@ -483,3 +536,88 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
       else:
         np.testing.assert_array_equal(np.asarray(got[name]), r)
     assert (np.asarray(got["v_scale"])[2] == 0).all()   # no visible key
+
+
+@pytest.mark.parametrize("method,opts,launches", [
+    ("sage", dict(preset="sage2-8b"), 2), ("sage", dict(preset="sage1"), 2),
+    ("int8", dict(), 2), ("int8", dict(v_granularity="block"), 1),
+    ("fp8", dict(), 2), ("fp8", dict(granularity="block"), 1),
+    ("fmha", dict(), 2), ("fmha", dict(amax={"q": 1.0, "k": 2.0, "v": 3.0}),
+                          1)], ids=str)
+def test_operands_take_at_most_two_launches(method, opts, launches,
+                                            monkeypatch):
+  """The operands come from two launches of the Triton passes (counted as
+  they are traced): a first that reads the tensors whose statistics the
+  second needs (sage's key sums and V's sums and extrema beside the Q pass;
+  the per-head amax), then the rest; one where no pass needs another's
+  statistic (per-block fp8, INT8's per-block V, the FMHA's static amax)."""
+  grids = []
+  launch = triton_call.launch
+  monkeypatch.setattr(triton_call, "launch", lambda *a, **kw: grids.append(
+      kw["grid"]) or launch(*a, **kw))
+  q, k, v, lens = _inputs(1)
+  if method == "fmha":
+    cfg = fmha.FmhaConfig(**opts)
+    f = lambda *a: prepare.fmha_operands(*a, scale=0.1, config=cfg,
+                                         block_k=64, v_key_order=True)
+  else:
+    cfg = methods.get(method).config_cls.from_options(**opts)
+    f = lambda *a: prepare.quantized_operands(method, *a, scale=0.1,
+                                              config=cfg, v_key_order=True)
+  jax.eval_shape(f, q, k, v, lens)
+  assert len(grids) == launches, grids
+
+
+def test_one_launch_of_several_passes_equals_each_pass_alone():
+  """:func:`quantizers.run_passes`: passes sharing a launch (programs take
+  their roles by program id) give the bits each gives alone: the column
+  sums, V's extrema and the Q pass with its tile means (sage's first
+  launch), the K pass with the bias and the V pass (its second)."""
+  q, k, v, lens = _inputs(2, t=100, s=90, n=2, kh=1)
+  q_lens = jnp.full((2,), 100, jnp.int32)
+  qm = jax.random.normal(jax.random.key(3), (2, 1, 16, 64), jnp.float32)
+  first = lambda: (
+      quantizers.stats_pass(k, lens, mode=quantizers.STATS_SUM),
+      quantizers.stats_pass(v, lens, mode=quantizers.STATS_EXTREMA),
+      quantizers.rows_pass(q, q_lens, group=32, dtype=jnp.int8, block=64,
+                           shift="tile_mean", flag_nonfinite=True))
+  ones = jnp.ones((2, 1, 64), jnp.float32)
+  second = lambda: (
+      quantizers.rows_pass(k, lens, group=64, dtype=jnp.int8,
+                           shift=jnp.full((2, 1, 1, 64), 0.5), bias_q_mean=qm,
+                           flag_nonfinite=True),
+      quantizers.v_pass(v, lens, dtype=jnp.float8_e4m3fn, shift=ones * 0.1,
+                        inv_channel=ones * 40.0, key_order=True,
+                        flag_nonfinite=True))
+  for passes in (first, second):
+    together = quantizers.run_passes(*passes())
+    alone = [quantizers.run_passes(p)[0] for p in passes()]
+    for g, r in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
+      np.testing.assert_array_equal(np.asarray(g, np.float32),
+                                    np.asarray(r, np.float32))
+
+
+def test_float8_rounding_is_ml_dtypes():
+  """The float8_e4m3fn values the passes store are ml_dtypes' (round to
+  nearest, ties to even), on every e4m3 value, every midpoint and its
+  float32 neighbours, subnormals, signed zeros and random values: in the
+  interpreter an exact integer emulation stands in for the GPU's
+  ``cvt.rn.satfinite`` (the interpreter's own cast rounds ties away from
+  zero)."""
+  import ml_dtypes
+  e4 = ml_dtypes.float8_e4m3fn
+  vals = np.arange(256, dtype=np.uint8).view(e4).astype(np.float32)
+  vals = np.unique(vals[np.isfinite(vals)])
+  mids = (vals[1:] + vals[:-1]) / 2
+  rng = np.random.default_rng(0)
+  x = np.concatenate([
+      vals, mids, -mids, np.nextafter(mids, np.float32(np.inf)),
+      np.nextafter(mids, np.float32(-np.inf)), [0.0, -0.0, 1e-30, -1e-30],
+      np.exp(rng.uniform(-14, 6.1, 2000)) * rng.choice([-1, 1], 2000)])
+  x = np.clip(x, -448, 448).astype(np.float32)
+  x = np.pad(x, (0, -len(x) % 64)).reshape(1, -1, 1, 64)
+  x8 = quantizers.rows_operand(
+      jnp.asarray(x), jnp.array([x.shape[1]]), group=1,
+      dtype=jnp.float8_e4m3fn, scale=jnp.ones((1, 1), jnp.float32))[0]
+  np.testing.assert_array_equal(np.asarray(x8).view(np.uint8),
+                                x.astype(e4).view(np.uint8))

@@ -15,7 +15,7 @@ import pytest
 CASES = pathlib.Path(__file__).with_name("multidevice_cases.py")
 GROUPS = {   # balanced for two workers
     "batch_heads": "shard_local or gradients_stay or bias or explicit "
-                   "or divisible",
+                   "or divisible or unpartitioned",
     "ring_methods": "ring_attention_every_method",
     "ring_rest": "gradients_and_lengths or residual or zigzag "
                  "or sequence_sharding",
