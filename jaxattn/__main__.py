@@ -3,6 +3,9 @@
 import importlib
 import sys
 
+# ``python -m jaxattn bench --grid`` and ``--torch``: the benchmarks of the
+# shapes models run and of jaxattn.torch's host time, with their own options
+BENCHMARKS = {"--grid": "bench_grid", "--torch": "bench_torch"}
 COMMANDS = {
     "report": "accuracy / robustness report of the papers' cases (CPU or GPU)",
     "bench": "times the kernels against cuDNN and the peers (GPU)",
@@ -26,7 +29,12 @@ def main(argv=None):
   if not argv or argv[0] not in COMMANDS:
     print(usage(), file=sys.stderr)
     return 2
-  importlib.import_module(f"jaxattn.{argv[0]}").main(argv[1:])
+  module, rest = argv[0], list(argv[1:])
+  for flag, other in BENCHMARKS.items():   # bench's own benchmarks
+    if module == "bench" and flag in rest:
+      rest.remove(flag)
+      module = other
+  importlib.import_module(f"jaxattn.{module}").main(rest)
   return 0
 
 

@@ -570,7 +570,11 @@ def main(argv=None, prog="python -m jaxattn bench"):
   """Runs the benchmark and returns its JSON document; with ``--from-json``
   only plots the recorded documents and returns None.  Without a GPU (and
   without ``--from-json``) prints why and exits with NO_GPU_EXIT_CODE."""
-  p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0])
+  p = argparse.ArgumentParser(
+      prog=prog, description=__doc__.split("\n")[0],
+      epilog="--grid (jaxattn/bench_grid.py: the shapes models run) and "
+      "--torch (jaxattn/bench_torch.py: jaxattn.torch's host time, CPU too) "
+      "are benchmarks of their own, with their own options")
   p.add_argument("--shapes", default=DEFAULT_SHAPES)
   p.add_argument("--methods", default="", help="comma list; default all")
   p.add_argument("--causal", default="both", choices=["both", "yes", "no"])

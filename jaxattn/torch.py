@@ -1,7 +1,6 @@
 """PyTorch interop: jaxattn's methods on ``torch.Tensor`` inputs and outputs,
-without copies, through DLPack (``jax.dlpack.from_dlpack`` in,
-``torch.from_dlpack`` out), on the tensors' device (CPU, or CUDA with a CUDA
-build of jax).
+without copies, through DLPack, on the tensors' device (CPU, or CUDA with a
+CUDA build of jax).
 
 * :func:`sageattn` has SageAttention's signature (``sageattn(q, k, v,
   tensor_layout="HND", is_causal=False, sm_scale=None, smooth_k=True)``):
@@ -10,13 +9,13 @@ build of jax).
 
 Layouts: ``"HND"`` is ``[batch, heads, seq, head_dim]`` (torch SDPA,
 SageAttention), ``"NHD"`` is ``[batch, seq, heads, head_dim]`` (jaxattn's
-BTNH).  Every transpose happens inside the one jitted JAX call.
+BTNH).  Every transpose happens inside the one compiled JAX call.
 
 What crosses DLPack and how:
 
 * A contiguous tensor, or a permuted view of one (``x.transpose(1, 2)``), is
-  shared without a copy; its axis order is restored in the jitted call.  Any
-  other view (a slice with gaps, an ``expand``) is copied once with
+  shared without a copy; its axis order is restored in the compiled call.
+  Any other view (a slice with gaps, an ``expand``) is copied once with
   ``.contiguous()``: DLPack and XLA take dense buffers only.  (JAX itself
   copies a buffer that is not 16-byte aligned.)
 * float8 tensors (``float8_e4m3fn``, ``float8_e5m2`` and the ``fnuz``
@@ -27,27 +26,39 @@ What crosses DLPack and how:
   attention takes float values (``method="sage"`` with
   ``preset="sage2-4b"`` quantises to int4 itself).
 
-Autograd and ``torch.compile``: :func:`attention` is the custom operator
+Host cost: each call signature (shapes, strides, dtypes, devices, layout,
+method, options, flags and jax's tracing configuration) is checked, traced
+and compiled once (``jax.jit(...).lower(...).compile()``, kept in a dict,
+:class:`_Plan`); a call with a known signature imports its tensors through
+jax's DLPack core (``dlpack_managed_tensor_to_buffer``, not the Python of
+``jax.dlpack.from_dlpack``), runs the compiled executable and exports its
+output with ``torch.from_dlpack``.  Without a gradient to record (grad mode
+off, or no input requires grad) that is all; otherwise the call goes
+through the operator below.
+
+Autograd and ``torch.compile``: the custom operator
 ``torch.ops.jaxattn.attention`` (``torch.library.custom_op``, with a fake
-implementation for tracing), so ``torch.compile`` keeps it as one opaque
-call instead of tracing DLPack.  Its backward is the operator
+implementation for tracing) carries the calls that need a gradient, and
+every call under ``torch.compile``, which keeps it as one opaque call
+instead of tracing DLPack.  Its backward is the operator
 ``jaxattn::attention_backward``, which runs jaxattn's VJP
 (:func:`jaxattn.grad.attention_vjp`: the exact gradient of attention at the
 inputs, straight through the quantization) on the saved inputs and the
 forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
 
-CUDA streams: nothing synchronises the device.  ``jax.dlpack.from_dlpack``
-passes jax's stream to the tensor's ``__dlpack__``, and torch makes that
-stream wait for its current stream (an event), so jax reads the inputs
-after the torch work that wrote them; ``torch.from_dlpack`` passes torch's
-current stream to the jax array's ``__dlpack__``, and jax makes it wait
-until the result is ready.  Calls are therefore ordered on whichever torch
-stream is current (``with torch.cuda.stream(s):``).
+CUDA streams: nothing synchronises the device.  Per call, torch's current
+stream records one event and jax's stream for external buffers
+(``get_stream_for_external_ready_events``) waits for it, then the inputs
+are imported on that stream (what ``jax.dlpack.from_dlpack`` and torch's
+``__dlpack__`` do per tensor), so jax reads them after the torch work that
+wrote them; the output is exported with torch's current stream
+(``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does), and jax makes
+that stream wait until the result is ready.  Calls are therefore ordered on
+whichever torch stream is current (``with torch.cuda.stream(s):``).
 """
 from __future__ import annotations
 
 import contextlib
-import functools
 import json
 
 import jax
@@ -57,6 +68,16 @@ import torch
 
 import jaxattn
 from jaxattn import api, base, grad
+
+try:  # jax's C++ DLPack import, under jax.dlpack.from_dlpack's Python
+  from jax._src.lib import _jax as _jaxlib
+except ImportError:  # pragma: no cover - older jaxlib
+  _jaxlib = None
+try:  # the configuration that jit keys its traces on (x64, precision, ...)
+  from jax._src.config import trace_context as _trace_context
+except ImportError:  # pragma: no cover
+  def _trace_context():
+    return None
 
 LAYOUTS = {"HND": (0, 2, 1, 3), "NHD": (0, 1, 2, 3)}  # to BTNH, self-inverse
 _FLOAT = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -68,6 +89,8 @@ _INT4 = tuple(getattr(torch, n) for n in ("int4", "uint4", "quint4x2")
               if hasattr(torch, n))
 _QK_QUANT_GRAN = {"per_warp": "warp", "per_block": "block",
                   "per_token": "token", "per_tensor": "tensor"}
+_NO_INDEX = (None, None, None)
+_MAX_ENTRIES = 512   # signatures kept per cache (the oldest goes first)
 
 
 def _check_dtype(tensor: torch.Tensor, name: str, allowed=_FLOAT) -> None:
@@ -111,26 +134,202 @@ def _jax_device(device: torch.device):
   return contextlib.nullcontext()
 
 
+def _check(q, k, v, attn_mask, layout) -> None:
+  """The checks of a call's tensors and layout (once per signature)."""
+  if layout not in LAYOUTS:
+    raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got {layout!r}")
+  tensors = {"q": q, "k": k, "v": v}
+  if attn_mask is not None:
+    tensors["attn_mask"] = attn_mask
+  for name, x in tensors.items():
+    if not isinstance(x, torch.Tensor):
+      raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+  for name, x in (("q", q), ("k", k), ("v", v)):
+    if x.ndim != 4:
+      dims = "[batch, heads, seq, head_dim]" if layout == "HND" else \
+             "[batch, seq, heads, head_dim]"
+      raise ValueError(f"{name} must have rank 4 {dims} for tensor_layout="
+                       f"{layout!r}, got shape {tuple(x.shape)}")
+    _check_dtype(x, name)
+  if attn_mask is not None:
+    _check_dtype(attn_mask, "attn_mask", _FLOAT + (torch.bool,))
+  devices = {name: x.device for name, x in tensors.items()}
+  if len(set(devices.values())) > 1:
+    raise ValueError("q, k, v (and attn_mask) must be on one device, got "
+                     + ", ".join(f"{n} on {d}" for n, d in devices.items()))
+  _jax_device_kind(q.device)
+  for name, x in tensors.items():
+    if x.layout != torch.strided:
+      raise TypeError(f"{name} must be a strided (dense) tensor, got "
+                      f"{x.layout}")
+
+
+def _store(cache: dict, key, value):
+  if len(cache) >= _MAX_ENTRIES:
+    cache.pop(next(iter(cache)))
+  cache[key] = value
+  return value
+
+
+# --- DLPack: jax's core import, torch's current stream --------------------
+
+_JAX_DEVICES: dict = {}       # torch.device -> jax device
+_EXTERNAL_STREAMS: dict = {}  # jax's stream pointer -> torch.cuda.ExternalStream
+_UNSET = object()
+_importer = _exporter = _UNSET   # found at first use
+
+
+def _jax_device_for(device: torch.device):
+  """The jax device that holds ``device``'s memory (as
+  ``jax.dlpack.from_dlpack`` picks it)."""
+  found = _JAX_DEVICES.get(device)
+  if found is None:
+    if device.type == "cpu":
+      found = jax.devices("cpu")[0]
+    else:
+      index = device.index or 0
+      found = next(d for d in jax.local_devices(backend="gpu")
+                   if d.local_hardware_id == index)
+    _JAX_DEVICES[device] = found
+  return found
+
+
+def _find_importer():
+  """``f(tensor, jax_device, stream, dl_device_type)``: jax's C++ DLPack
+  import of a dense tensor (what ``jax.dlpack.from_dlpack`` does after its
+  Python look-ups), or None where this jax and torch have no form of it
+  that imports a probe tensor correctly."""
+  core = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
+  if core is None:
+    return None
+  exports = [getattr(torch._C, n, None)
+             for n in ("_to_dlpack_versioned", "_to_dlpack")]
+  probe = torch.arange(4, dtype=torch.float32)
+  cpu = jax.devices("cpu")[0]
+  for export in filter(None, exports):
+    # (capsule, device, stream, copy, dl device type); older: the first 3
+    candidates = (
+        lambda t, device, stream, dl_type, export=export: core(
+            export(t), device, stream, None, dl_type),
+        lambda t, device, stream, dl_type, export=export: core(
+            export(t), device, stream))
+    for importer in candidates:
+      try:
+        array = importer(probe, cpu, None, 1)
+        if (isinstance(array, jax.Array) and array.dtype == jnp.float32
+            and np.array_equal(np.asarray(array), probe.numpy())):
+          return importer
+      except Exception:  # pylint: disable=broad-except
+        continue
+  return None
+
+
+def _find_exporter():
+  """``f(array, stream)``: a DLPack capsule of a single-device jax array
+  from jax's C++ export (what ``jax.Array.__dlpack__`` does after its
+  Python look-ups; on CUDA ``stream`` waits until the array is ready), or
+  ``__dlpack__`` itself where this jax has no form of it that exports a
+  probe array correctly."""
+  core = getattr(_jaxlib, "buffer_to_dlpack_managed_tensor", None)
+  candidates = [] if core is None else [
+      lambda array, stream: core(array, stream=stream, max_version=(1, 0),
+                                 copied=False),
+      lambda array, stream: core(array, stream=stream)]
+  probe = jax.device_put(np.arange(4, dtype=np.float32), jax.devices("cpu")[0])
+  for exporter in candidates:
+    try:
+      if np.array_equal(torch.from_dlpack(exporter(probe, None)).numpy(),
+                        np.arange(4, dtype=np.float32)):
+        return exporter
+    except Exception:  # pylint: disable=broad-except
+      continue
+  return lambda array, stream: array.__dlpack__(stream=stream,
+                                                max_version=(1, 0))
+
+
+def _to_jax(tensor: torch.Tensor, device, stream, dl_type: int):
+  """A dense tensor as a jax array on ``device`` sharing its memory (jax
+  copies a buffer that is not 16-byte aligned).  On CUDA ``stream`` is jax's
+  stream for external buffers, which the caller made wait for torch's."""
+  global _importer
+  if _importer is _UNSET:
+    _importer = _find_importer()
+  if _importer is not None:
+    try:
+      return _importer(tensor, device, stream, dl_type)
+    except Exception:  # pylint: disable=broad-except
+      pass   # (a pinned tensor, say): jax's own path, which handshakes itself
+  return jax.dlpack.from_dlpack(tensor.detach(), device=device)
+
+
+def _to_torch(array: jax.Array, stream) -> torch.Tensor:
+  """A jax array as a torch tensor sharing its memory; on CUDA ``stream``
+  (torch's current stream) waits until the array is ready."""
+  global _exporter
+  if _exporter is _UNSET:
+    _exporter = _find_exporter()
+  return torch.from_dlpack(_exporter(array, stream))
+
+
+def _cuda_handshake(index: int, device):
+  """Per call on CUDA: jax's stream for external buffers waits for torch's
+  current stream (one event), before the inputs are imported on it.
+  Returns ``(jax's stream, torch's current stream)`` as DLPack stream
+  numbers."""
+  current = torch.cuda.current_stream(index)
+  try:
+    stream = device.get_stream_for_external_ready_events()
+  except Exception:  # pylint: disable=broad-except
+    stream = None
+  if stream is None:   # no stream to wait on: wait here (not seen on CUDA)
+    current.synchronize()
+  elif stream != current.cuda_stream:
+    waiter = _EXTERNAL_STREAMS.get(stream)
+    if waiter is None:
+      waiter = _EXTERNAL_STREAMS[stream] = torch.cuda.ExternalStream(
+          stream, device=index)
+    waiter.wait_event(current.record_event())
+  # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
+  return stream, current.cuda_stream or 1
+
+
+def _dense_layout(tensor: torch.Tensor):
+  """``(perm, copy, axes)``: the tensor crosses as ``tensor.permute(perm)``
+  (perm None: as it is), a view of its dense buffer, or (copy True) as
+  ``tensor.contiguous()``; ``jnp.transpose(array, axes)`` restores its axis
+  order.  A function of shape and strides only."""
+  ndim = tensor.ndim
+  order = list(range(ndim))
+  if not tensor.is_contiguous():
+    order.sort(key=lambda i: -tensor.stride(i))
+    if not tensor.permute(order).is_contiguous():
+      return None, True, tuple(range(ndim))
+  axes = tuple(order.index(i) for i in range(ndim))
+  return (None if order == sorted(order) else tuple(order)), False, axes
+
+
 def _import_tensor(tensor: torch.Tensor):
-  """A tensor as a jax array that shares its memory.
+  """A tensor as a jax array that shares its memory (one-off; calls use
+  :class:`_Plan`).
 
   Returns ``(array, (axes, float8))``: ``jnp.transpose(array, axes)`` has
   the tensor's axis order, and ``float8`` names the float8 dtype of a
   ``uint8`` array (None otherwise).  A permuted view of a contiguous tensor
   is shared as its contiguous buffer; any other view is copied once.
   """
-  tensor = tensor.detach()
-  order = list(range(tensor.ndim))
-  if not tensor.is_contiguous():
-    order.sort(key=lambda i: -tensor.stride(i))
-    if not tensor.permute(order).is_contiguous():
-      tensor, order = tensor.contiguous(), list(range(tensor.ndim))
-  view = tensor.permute(order)
+  perm, copy, axes = _dense_layout(tensor)
+  if copy:
+    tensor = tensor.contiguous()
+  elif perm is not None:
+    tensor = tensor.permute(perm)
   float8 = _FLOAT8.get(tensor.dtype)
   if float8 is not None:
-    view = view.view(torch.uint8)
-  axes = tuple(order.index(i) for i in range(tensor.ndim))
-  return jax.dlpack.from_dlpack(view), (axes, float8)
+    tensor = tensor.view(torch.uint8)
+  device = _jax_device_for(tensor.device)
+  stream, dl_type = None, 1
+  if tensor.device.type == "cuda":
+    stream, dl_type = _cuda_handshake(tensor.device.index, device)[0], 2
+  return _to_jax(tensor, device, stream, dl_type), (axes, float8)
 
 
 def _restore(array, axes, float8):
@@ -141,57 +340,120 @@ def _restore(array, axes, float8):
   return jnp.transpose(array, axes)
 
 
-def _export_array(array: jax.Array) -> torch.Tensor:
-  return torch.from_dlpack(array)
+def _sig(t):
+  """What a compiled call is specialised on, of one tensor (or None)."""
+  return None if t is None else (t.shape, t.stride(), t.dtype, t.device)
 
 
-def _freeze(value):
-  """Options as a hashable static argument (dicts and lists to tuples)."""
-  if isinstance(value, dict):
-    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
-  if isinstance(value, list):
-    return tuple(_freeze(v) for v in value)
-  return value
+class _Plan:
+  """One compiled jax call for one signature of torch inputs.
+
+  ``body(arrays, lens)`` is traced once, on the inputs restored inside jax
+  (float8 widened, axis order restored, then transposed by ``to[i]``; None
+  for an absent tensor) and ``lens`` (int32 ``[B]`` or None), and compiled
+  for the tensors' device.  A call imports the tensors (views and copies
+  decided here, from the first call's strides), handshakes the streams on
+  CUDA and runs the executable.
+  """
+
+  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda")
+
+  def __init__(self, body, tensors, lens, to):
+    torch_device = next(t for t in tensors if t is not None).device
+    self.device = _jax_device_for(torch_device)
+    self.cuda = torch_device.index if torch_device.type == "cuda" else None
+    self.dl_type = 2 if self.cuda is not None else 1   # kDLCUDA, kDLCPU
+    recipes, metas = [], []
+    for t, to_axes in zip(tensors, to):
+      if t is None:
+        recipes.append(None)
+        metas.append(None)
+        continue
+      perm, copy, axes = _dense_layout(t)
+      float8 = _FLOAT8.get(t.dtype)
+      recipes.append((perm, copy, float8 is not None))
+      if to_axes is not None:
+        axes = tuple(axes[i] for i in to_axes)
+      metas.append((axes, float8))
+    self.recipes = tuple(recipes)
+    has_lens = lens is not None
+
+    def traced(*args):
+      args = iter(args)
+      arrays = [None if m is None else _restore(next(args), *m) for m in metas]
+      return body(arrays, next(args) if has_lens else None)
+
+    args, _ = self.inputs(tensors, lens)
+    with _jax_device(torch_device):
+      self.compiled = jax.jit(traced).lower(*args).compile()
+
+  def inputs(self, tensors, lens):
+    """The executable's arguments for ``tensors`` and ``lens``, and torch's
+    stream to export its outputs on (None on the CPU)."""
+    views = []
+    for t, recipe in zip(tensors, self.recipes):
+      if recipe is not None:
+        perm, copy, as_uint8 = recipe
+        if copy:
+          t = t.contiguous()
+        elif perm is not None:
+          t = t.permute(perm)
+        if as_uint8:
+          t = t.view(torch.uint8)
+        views.append(t)
+    stream = export_stream = None
+    if self.cuda is not None:   # after any copy above: it is torch's work too
+      stream, export_stream = _cuda_handshake(self.cuda, self.device)
+    args = [_to_jax(t, self.device, stream, self.dl_type) for t in views]
+    if lens is not None:
+      args.append(lens)
+    return args, export_stream
+
+  def __call__(self, tensors, lens=None):
+    """``(jax outputs, torch's stream to export them on, the imported
+    arrays)``.  Hold the arrays until the outputs are exported: on the CPU
+    that is after the computation, so that their release (torch's DLPack
+    deleter, which takes the GIL) runs in this thread, not in XLA's worker
+    while this one waits holding the GIL."""
+    args, export_stream = self.inputs(tensors, lens)
+    return self.compiled(*args), export_stream, args
 
 
-def _bias_and_mask(attn_mask, mask_meta):
+# --- the forward and backward as plans ------------------------------------
+
+def _bias_and_mask(attn_mask):
   if attn_mask is None:
     return None, None
-  attn_mask = _restore(attn_mask, *mask_meta)
   if attn_mask.dtype == jnp.bool_:
     return None, attn_mask
   return attn_mask, None
 
 
-def _index_kwargs(index, index_static):
-  """``dot_product_attention``'s index keywords from the operator's
-  ``(q_lens, q_segment_ids, kv_segment_ids)`` arrays and the static
-  ``(local_window_size, causal_alignment)``."""
-  q_lens, q_seg, kv_seg = index
-  window, alignment = index_static
-  return dict(query_seq_lengths=q_lens, q_segment_ids=q_seg,
-              kv_segment_ids=kv_seg, local_window_size=window,
-              causal_alignment=alignment)
+def _forward_plan(tensors, lens, *, layout, method, implementation, scale,
+                  is_causal, options, window, alignment, need_lse):
+  """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
+  kv_segment_ids)``: the output in the tensors' layout; with ``need_lse``
+  also the float32 log-sum-exp ``[B, T, N]``; ``fmha_int8`` with
+  ``return_int8``: ``(int8 output, its scale)``."""
+  to_layout = LAYOUTS[layout]
 
+  def body(arrays, kv_lens):
+    q, k, v, attn_mask, q_lens, q_seg, kv_seg = arrays
+    bias, mask = _bias_and_mask(attn_mask)
+    out = jaxattn.dot_product_attention(
+        q, k, v, bias, mask, scale=scale, is_causal=is_causal,
+        key_value_seq_lengths=kv_lens, method=method,
+        implementation=implementation, return_residual=need_lse,
+        query_seq_lengths=q_lens, q_segment_ids=q_seg,
+        kv_segment_ids=kv_seg, local_window_size=window,
+        causal_alignment=alignment, **options)
+    if need_lse:   # (output, log-sum-exp [B, T, N])
+      return jnp.transpose(out[0], to_layout), out[1]
+    if isinstance(out, tuple):  # (int8 output, its scale)
+      return (jnp.transpose(out[0], to_layout), *out[1:])
+    return jnp.transpose(out, to_layout)
 
-@functools.partial(jax.jit, static_argnames=(
-    "qkv_meta", "mask_meta", "layout", "method", "implementation", "scale",
-    "is_causal", "options", "index_static", "return_residual"))
-def _run(qkv, attn_mask, kv_lens, index, *, qkv_meta, mask_meta, layout,
-         method, implementation, scale, is_causal, options, index_static,
-         return_residual=False):
-  q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
-  bias, mask = _bias_and_mask(attn_mask, mask_meta)
-  out = jaxattn.dot_product_attention(
-      q, k, v, bias, mask, scale=scale, is_causal=is_causal,
-      key_value_seq_lengths=kv_lens, method=method,
-      implementation=implementation, return_residual=return_residual,
-      **_index_kwargs(index, index_static), **dict(options))
-  if return_residual:   # (output, log-sum-exp [B, T, N])
-    return jnp.transpose(out[0], LAYOUTS[layout]), out[1]
-  if isinstance(out, tuple):  # (int8 output, its scale)
-    return (jnp.transpose(out[0], LAYOUTS[layout]), *out[1:])
-  return jnp.transpose(out, LAYOUTS[layout])
+  return _Plan(body, tensors, lens, (to_layout,) * 3 + (None,) * 4)
 
 
 def _sum_to(x, shape):
@@ -202,38 +464,49 @@ def _sum_to(x, shape):
   return x.sum(axis=axes, keepdims=True) if axes else x
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "qkv_meta", "mask_meta", "dout_meta", "out_meta", "layout", "scale",
-    "is_causal", "index_static", "on_gpu"))
-def _run_backward(qkv, attn_mask, kv_lens, index, lse, dout, out, *,
-                  qkv_meta, mask_meta, dout_meta, out_meta, layout, scale,
-                  is_causal, index_static, on_gpu):
-  """``(dq, dk, dv, dbias)`` in the tensors' layout (dbias shaped like the
-  float ``attn_mask``, or None); ``out``, the forward's output, or None."""
-  q, k, v = (_restore(x, *meta) for x, meta in zip(qkv, qkv_meta))
-  dout = _restore(dout, *dout_meta)
-  if out is not None:
-    out = _restore(out, *out_meta)
-  bias, mask = _bias_and_mask(attn_mask, mask_meta)
-  b, t, n, d = q.shape
-  full = (b, n, t, k.shape[1])
-  bias_shape = None if bias is None else bias.shape
-  if bias is not None:
-    bias = jnp.broadcast_to(bias, full)
-  if mask is not None:
-    mask = jnp.broadcast_to(mask, full)
-  kv_lens = (jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None
-             else jnp.asarray(kv_lens, jnp.int32))
-  index_mask, _ = api.build_index_mask(q, k, kv_lens,
-                                 **_index_kwargs(index, index_static))
-  scale = base.default_scale(d) if scale is None else scale
-  dq, dk, dv, dbias = grad.attention_vjp(
-      q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
-      scale=scale, is_causal=is_causal, on_gpu=on_gpu, out=out,
-      index_mask=index_mask)
-  to_layout = lambda x: jnp.transpose(x, LAYOUTS[layout])
-  return (to_layout(dq), to_layout(dk), to_layout(dv),
-          None if dbias is None else _sum_to(dbias, bias_shape))
+def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
+                   alignment):
+  """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
+  kv_segment_ids, lse, dout, out)``: ``(dq, dk, dv, dbias)`` in the
+  tensors' layout (dbias shaped like the float ``attn_mask``, or None);
+  ``out``, the forward's output, or None."""
+  to_layout = LAYOUTS[layout]
+  on_gpu = tensors[0].device.type == "cuda"
+
+  def body(arrays, kv_lens):
+    q, k, v, attn_mask, q_lens, q_seg, kv_seg, lse, dout, out = arrays
+    bias, mask = _bias_and_mask(attn_mask)
+    b, t, n, d = q.shape
+    full = (b, n, t, k.shape[1])
+    bias_shape = None if bias is None else bias.shape
+    if bias is not None:
+      bias = jnp.broadcast_to(bias, full)
+    if mask is not None:
+      mask = jnp.broadcast_to(mask, full)
+    kv_lens = (jnp.full((b,), k.shape[1], jnp.int32) if kv_lens is None
+               else jnp.asarray(kv_lens, jnp.int32))
+    index_mask, _ = api.build_index_mask(
+        q, k, kv_lens, query_seq_lengths=q_lens, local_window_size=window,
+        q_segment_ids=q_seg, kv_segment_ids=kv_seg,
+        causal_alignment=alignment)
+    dq, dk, dv, dbias = grad.attention_vjp(
+        q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
+        scale=base.default_scale(d) if scale is None else scale,
+        is_causal=is_causal, on_gpu=on_gpu, out=out, index_mask=index_mask)
+    return (jnp.transpose(dq, to_layout), jnp.transpose(dk, to_layout),
+            jnp.transpose(dv, to_layout),
+            None if dbias is None else _sum_to(dbias, bias_shape))
+
+  return _Plan(body, tensors, lens,
+               (to_layout,) * 3 + (None,) * 5 + (to_layout,) * 2)
+
+
+# --- the public functions -------------------------------------------------
+
+_CHECKED: dict = {}   # signatures of (q, k, v, attn_mask, layout) checked
+_DIRECT: dict = {}    # call signature -> _Plan, calls without autograd
+_FAST: dict = {}      # the same, keyed by the arguments as given
+_OP_PLANS: dict = {}  # operator signature -> _Plan (forward and backward)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -279,68 +552,125 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``q``'s device, sharing the memory of jax's result.  ``fmha_int8`` with
     ``return_int8=True`` returns ``(int8 output, float32 scale)``.
   """
-  if tensor_layout not in LAYOUTS:
-    raise ValueError(f"tensor_layout must be 'HND' or 'NHD', got "
-                     f"{tensor_layout!r}")
   if dropout_p:
     raise NotImplementedError(f"dropout_p={dropout_p}: jaxattn has no dropout")
-  tensors = {"q": q, "k": k, "v": v}
-  if attn_mask is not None:
-    tensors["attn_mask"] = attn_mask
-  for name, x in tensors.items():
-    if not isinstance(x, torch.Tensor):
-      raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-  for name, x in (("q", q), ("k", k), ("v", v)):
-    if x.ndim != 4:
-      dims = "[batch, heads, seq, head_dim]" if tensor_layout == "HND" else \
-             "[batch, seq, heads, head_dim]"
-      raise ValueError(f"{name} must have rank 4 {dims} for tensor_layout="
-                       f"{tensor_layout!r}, got shape {tuple(x.shape)}")
-    _check_dtype(x, name)
-  if attn_mask is not None:
-    _check_dtype(attn_mask, "attn_mask", _FLOAT + (torch.bool,))
-  devices = {name: x.device for name, x in tensors.items()}
-  if len(set(devices.values())) > 1:
-    raise ValueError("q, k, v (and attn_mask) must be on one device, got "
-                     + ", ".join(f"{n} on {d}" for n, d in devices.items()))
-  _jax_device_kind(q.device)
-  kv_lens = None
+  compiling = torch.compiler.is_compiling()
+  fast_key = None
+  if not compiling and (key_value_seq_lengths is None
+                        and query_seq_lengths is None
+                        and q_segment_ids is None and kv_segment_ids is None):
+    # The common call, seen before: its plan from its arguments as given
+    try:
+      fast_key = (_sig(q), _sig(k), _sig(v), _sig(attn_mask), tensor_layout,
+                  method, implementation, sm_scale, is_causal, return_lse,
+                  local_window_size, causal_alignment,
+                  tuple(options.items()), _trace_context())
+      plan = _FAST.get(fast_key)
+    except (AttributeError, TypeError, RuntimeError):  # unhashable, say
+      fast_key = plan = None
+    if plan is not None and not (torch.is_grad_enabled() and (
+        q.requires_grad or k.requires_grad or v.requires_grad
+        or (attn_mask is not None and attn_mask.requires_grad))):
+      return _direct_call(plan, (q, k, v, attn_mask, None, None, None), None,
+                          options.get("return_int8"), return_lse)
+  head = None
+  if not compiling:   # a signature checked before is not checked again
+    try:
+      head = (_sig(q), _sig(k), _sig(v), _sig(attn_mask), tensor_layout,
+              _trace_context())
+      checked = head in _CHECKED
+    except (AttributeError, TypeError, RuntimeError):  # not (dense) tensors
+      checked = False
+  if compiling or not checked:
+    _check(q, k, v, attn_mask, tensor_layout)
+    if not compiling:
+      head = (_sig(q), _sig(k), _sig(v), _sig(attn_mask), tensor_layout,
+              _trace_context())
+      _store(_CHECKED, head, True)
+  lens = None
   if key_value_seq_lengths is not None:
-    kv_lens = np.asarray(_integer_tensor(
-        key_value_seq_lengths, "key_value_seq_lengths").cpu())
-    s = k.shape[2 if tensor_layout == "HND" else 1]
-    if kv_lens.size and (kv_lens.min() < 0 or kv_lens.max() > s):
-      raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
-                       f"{kv_lens.tolist()}")
-
-  index = _index_tensors(q, tensor_layout, query_seq_lengths, q_segment_ids,
-                         kv_segment_ids)
+    lens = _kv_lens(key_value_seq_lengths, k, tensor_layout)
+  index = _NO_INDEX
+  if (query_seq_lengths is not None or q_segment_ids is not None
+      or kv_segment_ids is not None):
+    index = _index_tensors(q, tensor_layout, query_seq_lengths,
+                           q_segment_ids, kv_segment_ids)
   window = local_window_size
   if isinstance(window, (tuple, list)):
-    window = [None if w is None else int(w) for w in window]
+    window = tuple(None if w is None else int(w) for w in window)
   elif window is not None:
     window = int(window)
-  index_static = _encode([window, causal_alignment])
-  if options.get("return_int8"):   # an int8 output: no autograd
-    out = _forward(q, k, v, attn_mask, kv_lens, index, layout=tensor_layout,
-                   method=method, implementation=implementation,
-                   sm_scale=sm_scale, is_causal=is_causal, options=options,
-                   index_static=index_static, need_lse=False)
-    return tuple(_export_array(x) for x in out)
-  lens = None if kv_lens is None else torch.as_tensor(kv_lens,
-                                                      dtype=torch.int32)
-  indexed = (any(x is not None for x in index) or local_window_size is not None
+  scale = None if sm_scale is None else float(sm_scale)
+  is_causal = bool(is_causal)
+  return_int8 = bool(options.get("return_int8"))
+  needs_grad = torch.is_grad_enabled() and (
+      q.requires_grad or k.requires_grad or v.requires_grad
+      or (attn_mask is not None and attn_mask.requires_grad))
+
+  if return_int8 or not (compiling or needs_grad):
+    # No gradient to record: the plan, without the operator's dispatch.
+    key = (head, None if lens is None else lens.shape,
+           tuple(None if x is None else x.shape for x in index), window,
+           causal_alignment, method, implementation, scale, is_causal,
+           _options_key(options), bool(return_lse))
+    plan = _DIRECT.get(key)
+    if plan is None:
+      plan = _store(_DIRECT, key, _forward_plan(
+          (q, k, v, attn_mask, *index), lens, layout=tensor_layout,
+          method=method, implementation=implementation, scale=scale,
+          is_causal=is_causal, options=dict(options), window=window,
+          alignment=causal_alignment, need_lse=bool(return_lse)))
+    if fast_key is not None:
+      _store(_FAST, fast_key, plan)
+    return _direct_call(plan, (q, k, v, attn_mask, *index), lens, return_int8,
+                        return_lse)
+
+  indexed = (index is not _NO_INDEX or window is not None
              or causal_alignment != "top_left")
-  need_lse = return_lse or (
-      torch.is_grad_enabled()
-      and any(x is not None and x.requires_grad for x in (q, k, v, attn_mask))
-      and (_backward_path(q, attn_mask, indexed) == "xla"
-           or _keeps_output(q, attn_mask, method, indexed)))
+  need_lse = return_lse or (needs_grad and _needs_lse(
+      q.dtype, q.shape[-1], None if attn_mask is None else attn_mask.dtype,
+      q.device.type == "cuda", indexed, method))
   out, lse = torch.ops.jaxattn.attention(
-      q, k, v, attn_mask, lens, *index, tensor_layout, method,
-      implementation, None if sm_scale is None else float(sm_scale),
-      bool(is_causal), _encode(options), index_static, need_lse)
+      q, k, v, attn_mask, None if lens is None else torch.from_numpy(lens),
+      *index, tensor_layout, method, implementation, scale, is_causal,
+      _encode(options), _encode([window, causal_alignment]), need_lse)
   return (out, lse.transpose(1, 2)) if return_lse else out
+
+
+def _clear_plans() -> None:
+  """Forgets every signature: the next calls check, trace and compile."""
+  for cache in (_CHECKED, _DIRECT, _FAST, _OP_PLANS):
+    cache.clear()
+
+
+def _direct_call(plan, tensors, lens, return_int8, return_lse):
+  """``plan`` on the tensors, its outputs as torch tensors."""
+  out, stream, _held = plan(tensors, lens)
+  if return_int8:
+    return tuple(_to_torch(x, stream) for x in out)
+  if return_lse:
+    return _to_torch(out[0], stream), _to_torch(out[1], stream).transpose(
+        1, 2)
+  return _to_torch(out, stream)
+
+
+def _options_key(options: dict):
+  """The options as part of a cache key (hashable)."""
+  items = tuple(options.items())
+  try:
+    hash(items)
+    return items
+  except TypeError:
+    return _freeze(options)
+
+
+def _freeze(value):
+  """Options as a hashable key (dicts and lists to tuples)."""
+  if isinstance(value, dict):
+    return tuple(sorted((k, _freeze(v)) for k, v in value.items()))
+  if isinstance(value, list):
+    return tuple(_freeze(v) for v in value)
+  return value
 
 
 @torch.compiler.assume_constant_result
@@ -350,6 +680,14 @@ def _encode(options) -> str:
   return json.dumps(options, sort_keys=True)
 
 
+def _decode_index_static(index_static: str):
+  """``(local_window_size, causal_alignment)`` from the operator's JSON."""
+  window, alignment = json.loads(index_static)
+  if isinstance(window, list):
+    window = tuple(window)
+  return window, alignment
+
+
 def _integer_tensor(x, name: str, device=None) -> torch.Tensor:
   """``x`` as a tensor (on ``device``), TypeError unless it holds
   integers."""
@@ -357,6 +695,18 @@ def _integer_tensor(x, name: str, device=None) -> torch.Tensor:
   if x.dtype.is_floating_point or x.dtype.is_complex or x.dtype == torch.bool:
     raise TypeError(f"{name} must hold integers, got {x.dtype}")
   return x
+
+
+def _kv_lens(key_value_seq_lengths, k, layout) -> np.ndarray:
+  """The key lengths as checked int32 numpy ``[B]`` (a value check per
+  call: it reads them on the host)."""
+  lens = np.asarray(_integer_tensor(
+      key_value_seq_lengths, "key_value_seq_lengths").cpu())
+  s = k.shape[2 if layout == "HND" else 1]
+  if lens.size and (lens.min() < 0 or lens.max() > s):
+    raise ValueError(f"key_value_seq_lengths must lie in [0, {s}], got "
+                     f"{lens.tolist()}")
+  return lens.astype(np.int32)
 
 
 def _index_tensors(q, layout, query_seq_lengths, q_segment_ids,
@@ -381,16 +731,21 @@ def _index_tensors(q, layout, query_seq_lengths, q_segment_ids,
   return tuple(out)
 
 
-def _backward_path(q, attn_mask, indexed=False) -> str:
+def _torch_dtype_to_jax(dtype):
+  return jnp.float16 if dtype in _FLOAT8 else jnp.dtype(
+      str(dtype).split(".")[1])
+
+
+_LSE_NEEDS: dict = {}
+
+
+def _backward_path(dtype, head_dim, mask_dtype, on_gpu, indexed) -> str:
   """Which backward :func:`jaxattn.grad.attention_vjp` will take: "xla"
   needs the forward's log-sum-exp, "cudnn" recomputes its own."""
-  dtype = jnp.float16 if q.dtype in _FLOAT8 else jnp.dtype(
-      str(q.dtype).split(".")[1])
-  has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
-  has_mask = attn_mask is not None and attn_mask.dtype == torch.bool
-  return grad.backward_path(dtype, q.shape[-1], has_bias, has_mask,
-                            on_gpu=q.device.type == "cuda",
-                            has_index_mask=indexed)
+  return grad.backward_path(
+      _torch_dtype_to_jax(dtype), head_dim,
+      mask_dtype is not None and mask_dtype != torch.bool,
+      mask_dtype == torch.bool, on_gpu=on_gpu, has_index_mask=indexed)
 
 
 @torch.compiler.assume_constant_result
@@ -399,39 +754,30 @@ def _takes_residuals(path: str, method: str) -> bool:
   return grad.takes_residuals(path, method)
 
 
-def _keeps_output(q, attn_mask, method, indexed=False) -> bool:
+def _keeps_output(dtype, head_dim, mask_dtype, on_gpu, indexed,
+                  method) -> bool:
   """Whether the backward takes the forward's output and log-sum-exp as
   its residuals (an exact method), as :func:`jaxattn.dot_product_attention`
   does."""
-  return _takes_residuals(_backward_path(q, attn_mask, indexed), method)
+  return _takes_residuals(
+      _backward_path(dtype, head_dim, mask_dtype, on_gpu, indexed), method)
 
 
-def _import_index(index):
-  return tuple(None if x is None else _import_tensor(x)[0] for x in index)
+def _needs_lse(dtype, head_dim, mask_dtype, on_gpu, indexed, method) -> bool:
+  """Whether the backward takes the forward's log-sum-exp (XLA's, or an
+  exact method's residuals); kept per arguments outside torch.compile."""
+  key = (dtype, head_dim, mask_dtype, on_gpu, indexed, method)
+  if not torch.compiler.is_compiling() and key in _LSE_NEEDS:
+    return _LSE_NEEDS[key]
+  needs = (_backward_path(dtype, head_dim, mask_dtype, on_gpu, indexed)
+           == "xla" or _keeps_output(*key))
+  if not torch.compiler.is_compiling():
+    _LSE_NEEDS[key] = needs
+  return needs
 
 
-def _forward(q, k, v, attn_mask, kv_lens, index, *, layout, method,
-             implementation, sm_scale, is_causal, options, index_static,
-             need_lse):
-  """The jitted call on the tensors' buffers (jax arrays out)."""
-  to_btnh = LAYOUTS[layout]
-  qkv, qkv_meta = [], []
-  for x in (q, k, v):
-    array, (axes, float8) = _import_tensor(x)
-    qkv.append(array)
-    qkv_meta.append((tuple(axes[i] for i in to_btnh), float8))
-  mask_array, mask_meta = (None, None) if attn_mask is None else \
-      _import_tensor(attn_mask)
-  if kv_lens is not None:
-    kv_lens = np.asarray(torch.as_tensor(kv_lens).cpu())
-  with _jax_device(q.device):
-    return _run(tuple(qkv), mask_array, kv_lens, _import_index(index),
-                qkv_meta=tuple(qkv_meta), mask_meta=mask_meta, layout=layout,
-                method=method, implementation=implementation,
-                scale=None if sm_scale is None else float(sm_scale),
-                is_causal=bool(is_causal), options=_freeze(options),
-                index_static=_freeze(json.loads(index_static)),
-                return_residual=need_lse)
+def _op_lens(kv_lens):
+  return None if kv_lens is None else np.asarray(kv_lens.cpu(), np.int32)
 
 
 _INDEX_SCHEMA = "Tensor? q_lens, Tensor? q_segment_ids, Tensor? kv_segment_ids"
@@ -447,17 +793,25 @@ def _attention_op(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
                   kv_segment_ids, layout, method, implementation, sm_scale,
                   is_causal, options, index_static, need_lse):
   """``(output in q's layout, float32 log-sum-exp [B, T, N] or an empty
-  tensor)``; ``index_static``: JSON ``[local_window_size,
-  causal_alignment]``."""
-  out = _forward(q, k, v, attn_mask, kv_lens,
-                 (q_lens, q_segment_ids, kv_segment_ids), layout=layout,
-                 method=method, implementation=implementation,
-                 sm_scale=sm_scale, is_causal=is_causal,
-                 options=json.loads(options), index_static=index_static,
-                 need_lse=need_lse)
+  tensor)``; ``options``: JSON of the method's options; ``index_static``:
+  JSON ``[local_window_size, causal_alignment]``."""
+  tensors = (q, k, v, attn_mask, q_lens, q_segment_ids, kv_segment_ids)
+  lens = _op_lens(kv_lens)
+  key = ("forward", *map(_sig, tensors), None if lens is None else lens.shape,
+         layout, method, implementation, sm_scale, is_causal, options,
+         index_static, need_lse, _trace_context())
+  plan = _OP_PLANS.get(key)
+  if plan is None:
+    window, alignment = _decode_index_static(index_static)
+    plan = _store(_OP_PLANS, key, _forward_plan(
+        tensors, lens, layout=layout, method=method,
+        implementation=implementation, scale=sm_scale, is_causal=is_causal,
+        options=json.loads(options), window=window, alignment=alignment,
+        need_lse=need_lse))
+  out, stream, _held = plan(tensors, lens)
   if need_lse:
-    return _export_array(out[0]), _export_array(out[1])
-  return _export_array(out), q.new_empty((0,), dtype=torch.float32)
+    return _to_torch(out[0], stream), _to_torch(out[1], stream)
+  return _to_torch(out, stream), q.new_empty((0,), dtype=torch.float32)
 
 
 def _shapes(q, v, layout):
@@ -492,29 +846,22 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
   """``(dq, dk, dv, dbias)`` shaped like q, k, v and a float attn_mask
   (an empty tensor without one); ``out``, the forward's output as cuDNN's
   residual, or None."""
-  to_btnh = LAYOUTS[layout]
-  arrays, metas = [], []
-  for x in (q, k, v, dout) + (() if out is None else (out,)):
-    array, (axes, float8) = _import_tensor(x)
-    arrays.append(array)
-    metas.append((tuple(axes[i] for i in to_btnh), float8))
-  mask_array, mask_meta = (None, None) if attn_mask is None else \
-      _import_tensor(attn_mask)
-  lens = None if kv_lens is None else np.asarray(kv_lens.cpu())
-  with _jax_device(q.device):
-    grads = _run_backward(
-        tuple(arrays[:3]), mask_array, lens,
-        _import_index((q_lens, q_segment_ids, kv_segment_ids)),
-        _import_tensor(lse)[0],
-        arrays[3], None if out is None else arrays[4],
-        qkv_meta=tuple(metas[:3]), mask_meta=mask_meta, dout_meta=metas[3],
-        out_meta=None if out is None else metas[4], layout=layout,
-        scale=sm_scale, is_causal=is_causal,
-        index_static=_freeze(json.loads(index_static)),
-        on_gpu=q.device.type == "cuda")
+  tensors = (q, k, v, attn_mask, q_lens, q_segment_ids, kv_segment_ids, lse,
+             dout, out)
+  lens = _op_lens(kv_lens)
+  key = ("backward", *map(_sig, tensors),
+         None if lens is None else lens.shape, layout, sm_scale, is_causal,
+         index_static, _trace_context())
+  plan = _OP_PLANS.get(key)
+  if plan is None:
+    window, alignment = _decode_index_static(index_static)
+    plan = _store(_OP_PLANS, key, _backward_plan(
+        tensors, lens, layout=layout, scale=sm_scale, is_causal=is_causal,
+        window=window, alignment=alignment))
+  grads, stream, _held = plan(tensors, lens)
   dbias = (q.new_empty((0,)) if grads[3] is None
-           else _export_array(grads[3]))
-  return (*(_export_array(g) for g in grads[:3]), dbias)
+           else _to_torch(grads[3], stream))
+  return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
 
 
 @_attention_backward_op.register_fake
@@ -526,13 +873,17 @@ def _attention_backward_fake(q, k, v, attn_mask, kv_lens, q_lens,
           torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
 
 
+_TOP_LEFT = json.dumps([None, "top_left"], sort_keys=True)
+
+
 def _setup_context(ctx, inputs, output):
   (q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, layout, method, _,
    sm_scale, is_causal, _, index_static, _) = inputs
   indexed = (any(x is not None for x in (q_lens, q_seg, kv_seg))
-             or index_static != _encode([None, "top_left"]))
-  keep = output[1].numel() > 0 and _keeps_output(q, attn_mask, method,
-                                                 indexed)
+             or index_static != _TOP_LEFT)
+  keep = output[1].numel() > 0 and _keeps_output(
+      q.dtype, q.shape[-1], None if attn_mask is None else attn_mask.dtype,
+      q.device.type == "cuda", indexed, method)
   ctx.save_for_backward(q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg,
                         output[1], output[0] if keep else None)
   ctx.static = (layout, sm_scale, is_causal, index_static)

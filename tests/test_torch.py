@@ -4,8 +4,11 @@ Results are compared with ``jaxattn.dot_product_attention`` on the same data
 (and with torch SDPA for "fp32"), in both layouts, causal, GQA, bfloat16 and
 float8 inputs; zero-copy is checked by buffer pointers on both sides; every
 refused input has its error.  Shapes are small: B=2, N=4 query heads, K=2
-key heads, T=16, S=24, H=32.
+key heads, T=16, S=24, H=32.  A call with a signature seen before traces
+and compiles nothing and crosses DLPack once per tensor (counted, not
+timed).
 """
+import collections
 import inspect
 
 import jax
@@ -193,18 +196,152 @@ def test_zero_copy_input_side():
                                 gaps.numpy())
 
 
-def test_zero_copy_output_side(monkeypatch):
+@pytest.mark.parametrize("grad", [False, True], ids=["direct", "operator"])
+def test_zero_copy_output_side(monkeypatch, grad):
   exported = []
-  export = jt._export_array
+  export = jt._to_torch
 
-  def spy(array):
+  def spy(array, stream):
     exported.append(array)
-    return export(array)
+    return export(array, stream)
 
-  monkeypatch.setattr(jt, "_export_array", spy)
-  out = jt.attention(*hnd(8), **REF)
-  assert len(exported) == 1
+  monkeypatch.setattr(jt, "_to_torch", spy)
+  q, k, v = hnd(8)
+  out = jt.attention(q.requires_grad_(grad), k, v, **REF)
+  assert len(exported) == 1 + grad   # with autograd: the log-sum-exp too
   assert out.data_ptr() == exported[0].unsafe_buffer_pointer()
+  assert out.requires_grad == grad
+
+
+# Every jax trace, lowering and XLA compilation in the process.
+_JAX_COMPILES = []
+jax.monitoring.register_event_duration_secs_listener(
+    lambda event, duration, **kw: _JAX_COMPILES.append(event)
+    if event.startswith("/jax/core/compile/") else None)
+
+
+def _count_calls(monkeypatch, eager=True):
+  """Counts the DLPack crossings (jaxattn's import and export, and jax's and
+  torch's own from_dlpack) and new plans; ``eager``: the checks and the
+  calls of the custom operator too (functions that ``torch.compile``
+  traces, guards on and would replay the counting of)."""
+  counts = collections.Counter()
+
+  def wrap(owner, name, key):
+    fn = getattr(owner, name)
+
+    def counted(*args, **kwargs):
+      counts[key] += 1
+      return fn(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+
+  wrap(jt, "_to_jax", "import")
+  wrap(jax.dlpack, "from_dlpack", "jax.dlpack.from_dlpack")
+  wrap(torch, "from_dlpack", "export")
+  wrap(jt, "_Plan", "plan")
+  if eager:
+    wrap(jt, "_check", "check")
+    wrap(torch.ops.jaxattn, "attention", "operator")
+  del _JAX_COMPILES[:]
+  return counts
+
+
+def _second_call_cases():
+  """(name, call(seed) -> output tensor(s), inputs that cross DLPack,
+  outputs that cross back, operator calls) of a second call."""
+  g = torch.Generator().manual_seed(3)
+  keep = torch.rand(B, 1, T, S, generator=g) > 0.3
+
+  def direct(seed):
+    return jt.attention(*hnd(seed), **REF)
+
+  def views_mask_lens(seed):   # NHD views of HND memory, a bool mask, lens
+    q, k, v = (x.transpose(1, 2) for x in hnd(seed))
+    return jt.sageattn(q, k, v, tensor_layout="NHD", attn_mask=keep,
+                       key_value_seq_lengths=[S - 4, S], **REF)
+
+  def float8_lse(seed):
+    q, k, v = (x.to(torch.float8_e4m3fn) for x in hnd(seed))
+    return jt.attention(q, k, v, is_causal=True, return_lse=True, **REF)
+
+  def autograd(seed):
+    q, k, v = (x.requires_grad_() for x in hnd(seed))
+    out = jt.attention(q, k, v, is_causal=True, **REF)
+    return (out, *torch.autograd.grad(out.sum(), (q, k, v)))
+
+  # autograd on the CPU: XLA's backward, from the forward's log-sum-exp (an
+  # export) without its output: q, k, v, lse and dout cross into it
+  return [("direct", direct, 3, 1, 0),
+          ("views_mask_lens", views_mask_lens, 4, 1, 0),
+          ("float8_lse", float8_lse, 3, 2, 0),
+          ("autograd", autograd, 3 + 5, 2 + 3, 1)]
+
+
+@pytest.mark.parametrize("case", _second_call_cases(), ids=lambda c: c[0])
+def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
+    monkeypatch, case):
+  """The structure that makes a call cheap: the second call of a signature
+  checks nothing, traces and compiles nothing, imports each input tensor
+  once through jax's core import (not jax.dlpack.from_dlpack's Python),
+  exports each output once, and goes through the custom operator only
+  where autograd needs it; its results are those of a fresh call."""
+  name, call, n_in, n_out, n_op = case
+  first = call(0)
+  counts = _count_calls(monkeypatch)
+  second = call(1)
+  assert _JAX_COMPILES == []
+  # (no checks, no new plan, no jax.dlpack.from_dlpack: Counters compare
+  # missing keys as 0)
+  assert counts == collections.Counter(
+      {"import": n_in, "export": n_out, "operator": n_op}), counts
+  monkeypatch.undo()
+  jt._clear_plans()
+  fresh = call(1)   # checked, traced and compiled anew
+  assert _JAX_COMPILES
+  for a, b in zip(*(x if isinstance(x, tuple) else (x,)
+                    for x in (second, fresh))):
+    assert torch.equal(a, b)
+  assert not all(torch.equal(a, b) for a, b in zip(
+      *(x if isinstance(x, tuple) else (x,) for x in (first, second))))
+
+
+def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
+  """A call imports a permuted view as its tensor's buffer (no copy), every
+  call of its signature; a view with gaps is copied (once a call)."""
+  imported = []
+  to_jax = jt._to_jax
+
+  def spy(tensor, *args):
+    imported.append(tensor.data_ptr())
+    return to_jax(tensor, *args)
+
+  monkeypatch.setattr(jt, "_to_jax", spy)
+  for seed in (0, 1):   # the call that plans and one that reuses the plan
+    q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
+               for x in hnd(seed))   # HND views of NHD buffers
+    gaps = torch.randn(B, K, 2 * S, H)[:, :, ::2]
+    del imported[:]
+    jt.attention(q, k, v, **REF)
+    assert imported[-3:] == [x.data_ptr() for x in (q, k, v)]
+    del imported[:]
+    jt.attention(q, k, gaps, **REF)
+    assert imported[-3:-1] == [q.data_ptr(), k.data_ptr()]
+    assert imported[-1] != gaps.data_ptr()
+
+
+def test_torch_compile_second_call_compiles_nothing(monkeypatch):
+  """Under ``torch.compile`` the operator's call of a known signature
+  traces and compiles nothing in jax and crosses DLPack per tensor."""
+  fn = torch.compile(lambda q, k, v: jt.sageattn(q, k, v, **REF),
+                     fullgraph=True)
+  fn(*hnd(0))
+  counts = _count_calls(monkeypatch, eager=False)
+  out = fn(*hnd(1))
+  assert _JAX_COMPILES == []
+  assert counts == collections.Counter({"import": 3, "export": 1}), counts
+  monkeypatch.undo()
+  assert torch.equal(out, jt.sageattn(*hnd(1), **REF))
 
 
 def test_non_contiguous_views_give_the_same_result():
