@@ -18,7 +18,9 @@ generate = importlib.util.module_from_spec(_spec)
 sys.modules[_spec.name] = generate   # (its dataclasses look it up)
 _spec.loader.exec_module(generate)
 
-CACHES = ("bf16_cudnn", "int8_paged", "fp8_paged")
+# (fp8's paged cache takes int8's path with another dtype: the GPU run
+# records it; the CPU suite keeps to two caches for its time)
+CACHES = ("bf16_cudnn", "int8_paged")
 
 
 def _positive(x):
@@ -54,7 +56,7 @@ def test_tiny_run_reports_every_section(tmp_path):
   greedy = doc["greedy"]
   assert greedy["reference"] == "bf16_cudnn"
   assert _positive(greedy["logit_spread"])
-  for name in ("int8_paged", "fp8_paged"):
+  for name in CACHES[1:]:
     g = greedy[name]
     assert g["logits_finite"]
     for key in ("token_match", "forced_argmax_match"):
