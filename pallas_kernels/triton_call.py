@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import types
 
 import jax
 import jax.numpy as jnp
@@ -197,6 +198,19 @@ def _interpreted(modules):
       b = widen(b)
     return dot(a, b, d, *rest)
 
+  class Nested(InterpretedFunction):
+    """A device function called from the kernel: the language is patched
+    once for the whole launch below, where Triton's own re-patches it on
+    every call (``inspect.getmembers`` over its modules: about 1 ms a
+    call, seconds a test)."""
+
+    def __call__(self, *args, **kwargs):
+      try:
+        return self.rewrite()(*args, **kwargs)
+      except Exception as e:
+        raise interpreter.InterpreterError(repr(e)) from e
+
+  scopes = []
   try:
     saved.append((builder, "create_dot", dot))
     builder.create_dot = create_dot
@@ -204,9 +218,15 @@ def _interpreted(modules):
       for name, value in list(vars(mod).items()):
         if isinstance(value, JITFunction):
           saved.append((mod, name, value))
-          setattr(mod, name, InterpretedFunction(value.fn))
+          setattr(mod, name, Nested(value.fn))
+    for mod in modules:   # (patches the languages its functions see)
+      if any(v is tl or v is tl.core for v in vars(mod).values()):
+        scopes.append(interpreter._patch_lang(
+            types.SimpleNamespace(__globals__=vars(mod))))
     yield
   finally:
+    for scope in reversed(scopes):
+      scope.restore()
     for mod, name, value in saved:
       setattr(mod, name, value)
 
