@@ -20,6 +20,7 @@ element catches an element the kernel did not write.
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import threading
 import types
@@ -83,14 +84,34 @@ def launch(kernel, *args, out_shape, grid, num_warps: int = 4,
   if any(g == 0 for g in grid):
     raise ValueError(f"empty grid {grid}")
   if common.has_gpu():
-    import jax_triton
-    outs = jax_triton.triton_call(
+    outs = jax_triton().triton_call(
         *args, kernel=kernel, out_shape=shapes, grid=grid,
         num_warps=num_warps, num_stages=num_stages,
         enable_fp_fusion=enable_fp_fusion, **constexprs)
   else:
     outs = _interpret(kernel, args, shapes, grid, constexprs)
   return outs[0] if single else tuple(outs)
+
+
+_JAX_TRITON = []
+
+
+def jax_triton():
+  """The ``jax_triton`` module, imported without its side effect on the
+  process: its import sets ``TRITON_CACHE_DIR`` to "", which turns off
+  Triton's on-disk cache for everything else in the process (then
+  ``torch.compile`` and any other Triton user fail with "Could not create
+  or locate cache dir").  jax_triton keeps its kernels in memory and does
+  not need that setting."""
+  if not _JAX_TRITON:
+    saved = os.environ.get("TRITON_CACHE_DIR")
+    import jax_triton as module   # pylint: disable=import-outside-toplevel
+    if saved is None:
+      os.environ.pop("TRITON_CACHE_DIR", None)
+    else:
+      os.environ["TRITON_CACHE_DIR"] = saved
+    _JAX_TRITON.append(module)
+  return _JAX_TRITON[0]
 
 
 def _is_array(x) -> bool:

@@ -6,6 +6,8 @@ padding, GQA and lengths that are not multiples of the groups.  The means
 that the passes sum themselves (sage's key mean, query-block means and V
 mean) are compared to float32 summation order."""
 import contextlib
+import os
+import sys
 from unittest import mock
 
 import numpy as np
@@ -621,3 +623,23 @@ def test_float8_rounding_is_ml_dtypes():
       dtype=jnp.float8_e4m3fn, scale=jnp.ones((1, 1), jnp.float32))[0]
   np.testing.assert_array_equal(np.asarray(x8).view(np.uint8),
                                 x.astype(e4).view(np.uint8))
+
+
+def test_jax_triton_import_keeps_the_triton_cache(tmp_path, monkeypatch):
+  """jax_triton's import sets TRITON_CACHE_DIR to "" (Triton's cache off
+  for the whole process: torch.compile then fails on a GPU);
+  ``triton_call.jax_triton`` imports it and puts the variable back, set or
+  unset.  A stand-in module with that side effect plays jax_triton."""
+  (tmp_path / "jax_triton.py").write_text(
+      "import os\nos.environ['TRITON_CACHE_DIR'] = ''\nmarker = 1\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  for before in ("/some/cache", None):
+    monkeypatch.delitem(sys.modules, "jax_triton", raising=False)
+    monkeypatch.setattr(triton_call, "_JAX_TRITON", [])
+    if before is None:
+      monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    else:
+      monkeypatch.setenv("TRITON_CACHE_DIR", before)
+    assert triton_call.jax_triton().marker == 1
+    assert os.environ.get("TRITON_CACHE_DIR") == before
+    assert "jax_triton" in sys.modules   # (the stand-in ran its import)
