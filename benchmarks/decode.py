@@ -6,7 +6,7 @@ bfloat16 and against the memory floor.
         [--lengths 4096,32768,131072] [--new-tokens 1,16]
         [--methods cudnn_bf16,fp32,int8,fp8,sage,pasa] [--heads 32x8]
         [--head-dim 128] [--options block_k=64,num_warps=4]
-        [--budget-s 600] [--iters 20] [--reps 5]
+        [--page-size 64] [--budget-s 600] [--iters 20] [--reps 5]
 
 Writes ``OUT_DIR/decode.json`` and ``OUT_DIR/decode.log`` (tracebacks of
 failed rows).  Per point ``(B, S, T)``, with ``N`` query and ``K`` KV heads
@@ -17,6 +17,9 @@ failed rows).  Per point ``(B, S, T)``, with ``N`` query and ``K`` KV heads
   (non-causal: the causal mask among ``T <= 16`` new tokens costs nothing);
 * a jaxattn method: ``jaxattn.decode_attention`` on a cache of that
   method's format, filled with random values directly on the device;
+* ``<method>_paged`` (with ``--page-size``): the same cache as a
+  :class:`jaxattn.decode.PagedKVCache` whose pages lie shuffled in the
+  pool, read through the page table;
 * ``floor_ms``: the bytes of the cache the call must read (values and
   scales) at the copy bandwidth measured in the same process
   (``copy_gbps``: a jitted ``x * 2`` of 1 GiB, read plus write);
@@ -85,13 +88,35 @@ def random_cache(method: str, b: int, s: int, nk: int, d: int,
       k_mean=(jnp.zeros((b, nk, d), jnp.float32) if fmt[2] else None))
 
 
+def to_paged(cache: decode.KVCache, page: int, seed: int = 0):
+  """``(PagedKVCache, page_indices)``: the dense cache's pages in a
+  shuffled order in a pool of exactly its pages."""
+  b, nk, s, d = cache.k.shape
+  per = s // page
+  perm = jax.random.permutation(jax.random.key(seed), b * per)
+  where = jnp.argsort(perm)        # pool slot of dense page b * per + i
+
+  def pool(x):
+    if x is None:
+      return None
+    x = x.reshape(b, nk, per, page, *x.shape[3:])
+    x = jnp.moveaxis(x, 1, 0).reshape(nk, b * per, page, *x.shape[4:])
+    return x[:, perm]
+
+  paged = decode.PagedKVCache(
+      k_pages=pool(cache.k), v_pages=pool(cache.v),
+      k_scale=pool(cache.k_scale), v_scale=pool(cache.v_scale),
+      k_mean=cache.k_mean)
+  return paged, where.reshape(b, per).astype(jnp.int32)
+
+
 def cache_bytes(cache: decode.KVCache, length: int) -> int:
   """Bytes a decode call reads for ``length`` keys of every row."""
   return cache.batch * length * cache.bytes_per_token()
 
 
 def bench_point(b, s, t, n, nk, d, methods, *, bandwidth, options, iters,
-                reps, log):
+                reps, log, page_size=None):
   """``{method: {ms, ...} or {error}}`` at one point."""
   rows = {}
   kq = jax.random.key(1)
@@ -108,6 +133,17 @@ def bench_point(b, s, t, n, nk, d, methods, *, bandwidth, options, iters,
         ms = time_call(f, (q, k, v), iters, reps) * 1e3
         nbytes = 2 * b * s * nk * d * 2
         del k, v
+      elif name.endswith("_paged"):
+        method = name[:-len("_paged")]
+        dense = random_cache(method, b, s, nk, d)
+        nbytes = cache_bytes(dense, s)
+        cache, table = to_paged(dense, page_size)
+        del dense
+        f = jax.jit(lambda q, c, l, p, m=method: jaxattn.decode_attention(
+            q, c, l, page_indices=p, method=m, implementation="triton",
+            **options))
+        ms = time_call(f, (q, cache, lengths, table), iters, reps) * 1e3
+        del cache
       else:
         cache = random_cache(name, b, s, nk, d)
         f = jax.jit(lambda q, c, l, name=name: jaxattn.decode_attention(
@@ -131,11 +167,11 @@ def bench_point(b, s, t, n, nk, d, methods, *, bandwidth, options, iters,
 
 
 def format_table(points) -> str:
-  lines = [f"{'B':>3} {'S':>7} {'T':>3} {'method':<11} {'ms':>8} "
+  lines = [f"{'B':>3} {'S':>7} {'T':>3} {'method':<13} {'ms':>8} "
            f"{'x cuDNN':>8} {'floor ms':>9} {'x floor':>8}"]
   for p in points:
     for name, r in p["rows"].items():
-      head = f"{p['B']:>3} {p['S']:>7} {p['T']:>3} {name:<11} "
+      head = f"{p['B']:>3} {p['S']:>7} {p['T']:>3} {name:<13} "
       if "ms" in r:
         lines.append(head + f"{r['ms']:8.3f} "
                      f"{r.get('speedup_vs_cudnn', float('nan')):8.2f} "
@@ -160,7 +196,7 @@ def _options(text):
 def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
         new_tokens=(1, 16), methods=METHODS, heads=(32, 8), head_dim=128,
         options=None, budget_s=600.0, iters=20, reps=5, points=None,
-        bandwidth=None):
+        bandwidth=None, page_size=None):
   """Runs the grid (or the explicit ``points``, ``(B, S, T)`` in order)
   and writes ``decode.json`` / ``decode.log`` in ``out_dir``; returns the
   document."""
@@ -168,7 +204,10 @@ def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
   t_start = time.perf_counter()
   options = dict(options or {})
   n, nk = heads
-  doc = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+  if page_size:
+    methods = list(methods) + [f"{m}_paged" for m in methods
+                               if m != "cudnn_bf16"]
+  doc = dict(page_size=page_size, date=datetime.datetime.now().isoformat(timespec="seconds"),
              device=str(jax.devices()[0].device_kind), jax=jax.__version__,
              heads=[n, nk], head_dim=head_dim, options=options, points=[])
   path = os.path.join(out_dir, "decode.json")
@@ -185,7 +224,8 @@ def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
       else:
         point["rows"] = bench_point(b, s, t, n, nk, head_dim, methods,
                                     bandwidth=bw, options=options,
-                                    iters=iters, reps=reps, log=log)
+                                    iters=iters, reps=reps, log=log,
+                                    page_size=page_size)
       doc["points"].append(point)
       with open(path, "w") as f:
         json.dump(doc, f, indent=1)
@@ -206,6 +246,8 @@ def main(argv=None):
   p.add_argument("--head-dim", type=int, default=128)
   p.add_argument("--options", default="",
                  help="decode_attention knobs, e.g. block_k=64,num_warps=4")
+  p.add_argument("--page-size", type=int, default=None,
+                 help="also time each method on a shuffled paged pool")
   p.add_argument("--budget-s", type=float, default=600.0)
   p.add_argument("--iters", type=int, default=20)
   p.add_argument("--reps", type=int, default=5)
@@ -217,7 +259,8 @@ def main(argv=None):
   doc = run(a.out_dir, batches=_ints(a.batches), lengths=_ints(a.lengths),
             new_tokens=_ints(a.new_tokens), methods=a.methods.split(","),
             heads=(n, nk), head_dim=a.head_dim, options=_options(a.options),
-            budget_s=a.budget_s, iters=a.iters, reps=a.reps)
+            budget_s=a.budget_s, iters=a.iters, reps=a.reps,
+            page_size=a.page_size)
   print(f"copy bandwidth {doc['copy_gbps']:.0f} GB/s")
   print(format_table(doc["points"]))
   return 0
