@@ -44,7 +44,8 @@ _CACHE_PREFIX = "jaxattn-jit-cache-"
 # (``bash dev.sh test --extended``, or ``-m extended``).  Each repeats, on
 # the same backend and in the same test, a path that a sibling cell runs in
 # CI: a method that is another's kernel with other dtype flags (fp16_fp32
-# and fp16 are fp32's; int8's nonfinite handling is sage's), a quantizer
+# and fp16 are fp32's; int8's and fmha_int8's nonfinite handling is sage's;
+# a float16 cache reads alike for fp32 and PASA), a quantizer
 # option on a second shape, or a second case of a feature (the window's
 # edge cases are the bounds' code, which fp32's cells run; int8's index
 # masks are sage's kernel).  The lists are
@@ -54,12 +55,12 @@ EXTENDED_CELLS = {
         ["running-reference", "per_block-triton"],
     "tests/test_no_host_wait.py::test_the_factor_chosen_on_the_device_is_the_explicit_choice":
         ["mosaic-per_block", "triton-per_block", "reference-per_block",
-         "reference-nearest"],
+         "reference-nearest", "triton-nearest", "reference-running"],
     "tests/test_no_host_wait.py::test_nonfinite_inputs_with_segment_ids":
-        ["triton-pasa"],
+        ["triton-pasa", "mosaic-pasa"],
     "tests/test_api.py::test_nonfinite_reaches_the_rows_it_reaches_in_float32":
         ["triton-fp16_fp32", "triton-fp16", "triton-int8",
-         "mosaic-fp16_fp32", "mosaic-int8"],
+         "mosaic-fp16_fp32", "mosaic-int8", "mosaic-fmha_int8"],
     "tests/test_flash_pasa.py::test_pasa_is_fp16_fp32_where_no_block_is_shifted":
         ["hybrid-10.0-mosaic"],
     "tests/test_grad.py::test_gradient_and_residual_in_one_call":
@@ -84,12 +85,13 @@ EXTENDED_CELLS = {
          "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
          "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
     "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two":
-        ["fp8", "fmha_int8"],
+        ["fp8", "fmha_int8", "sage"],
     "tests/test_sage.py::test_calls_beyond_the_bias_limit_run_by_query_chunks":
         ["triton"],
     "tests/multidevice_cases.py::test_ring_attention_every_method":
         ["fp16_fp32-reference-False", "fp16-reference-False",
-         "int8-reference-False"],
+         "int8-reference-False", "fmha_int8-reference-False",
+         "pasa-reference-False"],
     "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
         ["fmha_int8", "int8"],
     "tests/multidevice_cases.py::test_batch_and_head_sharding_is_shard_local":
@@ -107,6 +109,12 @@ EXTENDED_CELLS = {
          "sage-{'qk_granularity': 'block'}-{}",
          "sage-{'preset': 'sage1'}-{'d': 96}",
          "fp8-{'granularity': 'block'}-{}"],
+    "tests/test_mosaic.py::test_mosaic_block_k_scales_equal_per_key_scales":
+        ["fp8-{'granularity': 'block', 'block_k': 128}"],
+    "tests/test_paged.py::test_kernel_matches_reference":
+        ["fp32-float16", "int8-nosmooth"],
+    "tests/test_paged.py::test_paged_equals_dense_bit_for_bit":
+        ["pasa-float16"],
     "tests/test_prepare.py::test_sage_inputs_equal_reference":
         ["{'qk_granularity': 'token'}", "{'qk_granularity': 'block'}",
          "{'preset': 'sage2-4b'}"],
