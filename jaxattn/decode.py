@@ -812,7 +812,9 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   v_max = None
   if cache.v_scale is not None:
     # V's per-token scale on P's columns, relative to the row's largest
-    # (P keeps float16's range), which multiplies the output
+    # (P keeps float16's range), which multiplies the output (the kernel
+    # divides by the largest so far: P rounds alike to float16's relative
+    # precision)
     vs = jnp.where(stored, cache.v_scale, 0.0)                  # [B, K, S]
     v_max = vs.max(axis=-1)                                     # [B, K]
     inv = jnp.where(v_max > 0, 1.0 / jnp.where(v_max > 0, v_max, 1.0), 0.0)

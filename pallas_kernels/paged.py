@@ -17,10 +17,11 @@ tile):
 * ``S * (k_scale * c)`` per key (``c = scale log2 e``, the softmax in base
   2), the visibility mask (keys below the row's length, and new token ``t``
   sees keys up to ``length - T + t``: bottom-right causal);
-* the online softmax; ``P`` times V's per-token scale over the row's
-  largest (an 8-bit V), rounded to the compute dtype; the 8-bit V
-  converted exactly; ``O = alpha O + P V`` in float32, times the largest
-  scale after the splits merge.
+* the online softmax; ``P`` times V's per-token scale over the largest
+  scale of the split's keys so far (an 8-bit V), rounded to the compute
+  dtype; the 8-bit V converted exactly; ``O = alpha O + P V`` in float32
+  (alpha also carries that largest scale's growth), times the split's
+  largest scale at its end.
 
 The outputs are each split's unnormalised ``O``, row max ``m`` and sum
 ``l`` (base 2), merged by :func:`combine`.  Keys at or past a row's length
@@ -94,7 +95,7 @@ def _to_compute(x, X_INT8: tl.constexpr, BF16: tl.constexpr,
 
 
 @triton.jit
-def _kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, vinv_ptr, table_ptr, len_ptr,
+def _kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr,
             head_pages, max_page, pages_per_seq, kv_heads, t_new, group,
             score_factor,
             o_ptr, m_ptr, l_ptr,
@@ -107,8 +108,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, vinv_ptr, table_ptr, len_ptr,
             V_FP8: tl.constexpr, ASM: tl.constexpr):
   """q ``[B, K, ROW_TILES * BLOCK_M, HEAD_DIM]`` packed rows in the compute
   dtype; k, v the cache (module docstring); ks, vs float32 scales (or
-  dummies); vinv float32 ``[B, K]``, ``1 / max(vs)`` over each row's keys
-  (:func:`value_scale_max`; a dummy without vs); table int32 ``[B, pages_per_seq]``; len int32 ``[B]``; o float32
+  dummies); table int32 ``[B, pages_per_seq]``; len int32 ``[B]``; o float32
   ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M, HEAD_DIM]``, m, l float32
   ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M]``."""
   bh = tl.program_id(0)
@@ -136,6 +136,7 @@ def _kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, vinv_ptr, table_ptr, len_ptr,
   m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
   l_i = tl.zeros([BLOCK_M], tl.float32)
   acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+  v_max = tl.full([], 0.0, tl.float32)   # the split's largest V scale
   keys = tl.arange(0, BLOCK_N)
   for j in range(lo, hi):
     first = j * BLOCK_N
@@ -182,33 +183,26 @@ def _kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, vinv_ptr, table_ptr, len_ptr,
     if V_SCALED:
       # V's per-token scale on P's columns (one product per score, where
       # dequantizing V would take one per value and a float32 copy of the
-      # tile in registers), relative to the row's largest scale so that P
-      # keeps its float16 range (the scale itself, ~amax / 127, would push
-      # the small P of long rows into float16's subnormals)
+      # tile in registers), relative to the largest scale so far, so that
+      # P keeps its float16 range (the scale itself, ~amax / 127, would
+      # push the small P of long rows into float16's subnormals); when
+      # that maximum grows, O is rescaled with alpha.  (A scalar per
+      # program: the row's keys are the same for every query row.)
       vs = tl.load(vs_ptr + page * PAGE + slot,
                    mask=valid, other=0.0)
-      p = p * (vs * tl.load(vinv_ptr + bh))[None, :]
+      v_new = tl.maximum(v_max, tl.max(vs, axis=0))
+      alpha = alpha * tl.where(v_new > 0, v_max / v_new, 1.0)
+      p = p * (vs * tl.where(v_new > 0, 1.0 / v_new, 0.0))[None, :]
+      v_max = v_new
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, out_dtype=tl.float32)
     m_i = m_new
 
+  if V_SCALED:   # (in float32: the split's O at V's true scale)
+    acc = acc * v_max
   out = (bh * NUM_SPLITS + split) * rows_total + rows
   tl.store(o_ptr + out[:, None] * HEAD_DIM + chans[None, :], acc)
   tl.store(m_ptr + out, m_i)
   tl.store(l_ptr + out, l_i)
-
-
-def value_scale_max(v_scale, table, lengths, *, layout: str, page: int):
-  """float32 ``[B, K]``: the largest per-token V scale of each row's keys
-  below its length (0 for an empty row)."""
-  b = table.shape[0]
-  if layout == "dense":                                     # [B, K, S]
-    vs = v_scale
-  else:                                 # [K, P, page] -> [B, K, pages * page]
-    vs = jnp.moveaxis(v_scale[:, table], 0, 1).reshape(b, v_scale.shape[0],
-                                                       -1)
-  keys = jnp.arange(vs.shape[-1], dtype=jnp.int32)
-  return jnp.where(keys[None, None, :] < lengths[:, None, None], vs,
-                   0.0).max(axis=-1)
 
 
 def combine(o, m, l):
@@ -332,15 +326,10 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
   cdt = jnp.dtype(compute_dtype)
   qp = pack_queries(q.astype(cdt), nk, row_tiles * block_m, d)
   dummy = jnp.zeros((1,), jnp.float32)
-  v_max = None
-  if v_scale is not None:
-    v_max = value_scale_max(v_scale, table, lengths, layout=layout, page=page)
   o, m, l = triton_call.launch(
       _kernel, qp, k, v,
       dummy if k_scale is None else k_scale,
       dummy if v_scale is None else v_scale,
-      dummy if v_max is None else jnp.where(
-          v_max > 0, 1.0 / jnp.where(v_max > 0, v_max, 1.0), 0.0),
       table.astype(jnp.int32), lengths.astype(jnp.int32),
       int(head_pages), int(max_page), int(table.shape[1]), int(nk),
       int(t), int(g), np.float32(LOG2E if f16_scores else scale * LOG2E),
@@ -363,7 +352,5 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
       V_FP8=jnp.dtype(v.dtype) == jnp.float8_e4m3fn,
       ASM=not common.interpret())
   out = combine(o, m, l)
-  if v_max is not None:
-    out = out * v_max[:, :, None, None]
   out = unpack_rows(out, t, n, d)
   return out.astype(out_dtype or q.dtype)
