@@ -240,9 +240,9 @@ def _has_gpu() -> bool:
 def pytest_collection_modifyitems(config, items):
   # The tests marked ``slow`` (10-45 s each on 2 cores, compile-bound) go
   # first, so that the run ends on short tests instead of one worker
-  # finishing a long test while the other idles.  (xdist's load scheduler
-  # hands each worker a chunk of consecutive tests first, then single
-  # tests as they finish.)
+  # finishing a long test while the other idles.  (dev.sh runs xdist's
+  # worksteal scheduler: each worker starts on half of the list and takes
+  # half of the other's queue when it runs dry.)
   items.sort(key=lambda item: "slow" not in item.keywords)
   _mark_extended(config, items)
   gpu_items = [item for item in items if "gpu" in item.keywords]
