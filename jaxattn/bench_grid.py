@@ -28,6 +28,7 @@ at 1 x 8192 x 16 x 128.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import json
 import os
@@ -94,6 +95,18 @@ def jax_rows(p):
   return rows
 
 
+@contextlib.contextmanager
+def _recorded(out, name, log):
+  """Runs the block; an exception in it becomes ``out[name] = {"error":
+  ...}`` with its traceback in ``log`` (one row's failure must not stop
+  the run)."""
+  try:
+    yield
+  except Exception as e:  # noqa: BLE001
+    out[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
+    log.write(traceback.format_exc())
+
+
 def _sageattention():
   """SageAttention2's ``sageattn`` (torch), or None where it does not
   import."""
@@ -108,7 +121,7 @@ def run_point(p, iters, reps, log):
   rows = {}
   inputs = {}
   for name, (dtype, fn) in jax_rows(p).items():
-    try:
+    with _recorded(rows, name, log):
       if dtype not in inputs:
         inputs[dtype] = jax.block_until_ready(_inputs(p, dtype))
       args = inputs[dtype]
@@ -119,12 +132,9 @@ def run_point(p, iters, reps, log):
       t = time_call(f, args, iters, reps)
       rows[name] = dict(ms=t * 1e3, first_call_s=first,
                         device_ms=device_period_ms(f, args))
-    except Exception as e:  # noqa: BLE001
-      rows[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
-      log.write(traceback.format_exc())
   sageattn = _sageattention()
   if sageattn is not None:
-    try:
+    with _recorded(rows, "sageattention2", log):
       import torch
       import triton.testing
       q, k, v = (torch.randn(*x.shape, device="cuda", dtype=torch.float16)
@@ -135,9 +145,6 @@ def run_point(p, iters, reps, log):
                                    return_mode="median")
       rows["sageattention2"] = dict(ms=ms)
       del q, k, v
-    except Exception as e:  # noqa: BLE001
-      rows["sageattention2"] = dict(error=f"{type(e).__name__}: {e}"[:400])
-      log.write(traceback.format_exc())
   ref = rows.get("cudnn_bf16", {})
   for r in rows.values():
     if ref.get("ms") and r.get("ms"):
@@ -153,7 +160,7 @@ def timeline(p, log):
   out = {}
   args = jax.block_until_ready(_inputs(p, jnp.float16))
   for m in QUANTIZED:
-    try:
+    with _recorded(out, m, log):
       f = jax.jit(lambda q, k, v, m=m: jaxattn.dot_product_attention(
           q, k, v, is_causal=p["causal"], method=m))
       calls = split_calls(device_kernels(f, args, calls=5), 5)
@@ -166,9 +173,6 @@ def timeline(p, log):
       out[m] = dict(kernels=len(call), busy_us=busy, span_us=span,
                     idle_us=span - busy,
                     list=[(k[0][:60], k[2] / 1e3) for k in call])
-    except Exception as e:  # noqa: BLE001
-      out[m] = dict(error=f"{type(e).__name__}: {e}"[:400])
-      log.write(traceback.format_exc())
   return out
 
 
@@ -185,21 +189,15 @@ def accuracy(log, shape=(1, 8192, 16, 128)):
     fns[m] = lambda a, b, c, m=m: jaxattn.dot_product_attention(
         a, b, c, method=m)
   for name, fn in fns.items():
-    try:
+    with _recorded(out, name, log):
       out[name] = bench.accuracy(fn, jnp.float16, (q, k, v), False, ref=ref)
-    except Exception as e:  # noqa: BLE001
-      out[name] = dict(error=f"{type(e).__name__}: {e}"[:400])
-      log.write(traceback.format_exc())
   sageattn = _sageattention()
   if sageattn is not None:
-    try:
+    with _recorded(out, "sageattention2", log):
       job = lambda a, b, c: sageattn(a, b, c, tensor_layout="NHD")  # noqa
       out["sageattention2"] = bench.accuracy(bench._torch_fn(job),
                                              jnp.float16, (q, k, v), False,
                                              ref=ref)
-    except Exception as e:  # noqa: BLE001
-      out["sageattention2"] = dict(error=f"{type(e).__name__}: {e}"[:400])
-      log.write(traceback.format_exc())
   return {n: r if "error" in r else {k: float(v) for k, v in r.items()}
           for n, r in out.items()}
 
