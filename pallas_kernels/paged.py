@@ -45,14 +45,17 @@ from pallas_kernels.common import LOG2E
 from pallas_kernels.triton_call import tl, triton
 
 MAX_ROWS_PER_TILE = 64
-# (keys per block, warps, stages) by the cache's bytes per value, the
-# fastest measured on the H200 at B = 8 and 32, 32k keys, 32/8 heads, D=128,
-# T=1: 8-bit 0.28-0.30 ms (B=8) and 0.81-0.91 (B=32) against 0.29-0.36 and
-# 0.92-1.27 for the others tried; 16-bit 0.30 / 1.01 against 0.36 / 1.10.
-DEFAULT_TILES = {1: (32, 2, 4), 2: (128, 8, 3)}
-# Splits of a row's keys: enough programs to fill the GPU several times
-# over, and at least MIN_KEYS_PER_SPLIT keys each.
-PROGRAMS_PER_SM = 4
+# By the cache's bytes per value and whether a tile holds more than 16 rows
+# (T * G > 16: several new tokens): (keys per block, warps, stages,
+# programs per SM), the fastest measured on the H200 at B = 8 and 32, 32k
+# keys, 32/8 heads, D=128.  8-bit, T=1: 0.19-0.22 ms (B=8) and 0.67-0.75
+# (B=32) against 0.30-0.33 and 0.94-1.46 for (32 keys, 2 warps, 4 stages)
+# at 4 programs per SM.  8-bit, T=16 (64 rows): 0.43 ms at B=8 against
+# 1.04 for the T=1 tile (2 warps spill a 64-row accumulator).  The splits
+# are rounded down to whole waves: 1280 programs (5 splits at B=32, T=1)
+# ran 20-40% slower than 1024.  16-bit: 0.30 / 1.01 ms (T=1).
+DEFAULT_TILES = {(1, False): (64, 2, 5, 8), (1, True): (64, 4, 4, 4),
+                 (2, False): (128, 8, 3, 6), (2, True): (128, 8, 3, 6)}
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 CACHE_DTYPES = ("int8", "float8_e4m3fn", "float16", "bfloat16")
@@ -234,9 +237,9 @@ def sm_count() -> int | None:
 
 
 def choose_splits(programs: int, max_keys: int, block_n: int,
-                  rows: int = 16) -> int:
-  """Splits of each program's keys: enough programs for
-  :data:`PROGRAMS_PER_SM` per multiprocessor, with at least
+                  rows: int = 16, per_sm: int = 8) -> int:
+  """Splits of each program's keys: ``per_sm`` programs per multiprocessor
+  (rounded down: a partial last wave costs a whole one), with at least
   ``max(MIN_KEYS_PER_SPLIT, 16 * rows, block_n)`` keys each, so that the
   float32 partials (``rows x D`` per split) stay small against an 8-bit
   cache's bytes.  In the interpreter (no GPU) at most 4: each program costs
@@ -245,7 +248,7 @@ def choose_splits(programs: int, max_keys: int, block_n: int,
   sms = sm_count()
   if sms is None:
     return max(1, min(4, -(-blocks // 4)))
-  want = -(-PROGRAMS_PER_SM * sms // max(1, programs))
+  want = per_sm * sms // max(1, programs)
   per_split = max(MIN_KEYS_PER_SPLIT, 16 * rows, block_n)
   most = max(1, min(MAX_SPLITS, max_keys // per_split, blocks))
   return int(max(1, min(want, most)))
@@ -316,13 +319,14 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
   rows = t * g
   block_m = max(16, min(MAX_ROWS_PER_TILE, 1 << (rows - 1).bit_length()))
   row_tiles = -(-rows // block_m)
-  tiles = DEFAULT_TILES[max(1, min(2, jnp.dtype(k.dtype).itemsize))]
+  tiles = DEFAULT_TILES[max(1, min(2, jnp.dtype(k.dtype).itemsize)),
+                        block_m > 16]
   block_n = min(block_n or tiles[0], page)
   if page % block_n:
     raise ValueError(f"block_n {block_n} must divide the page {page}")
   max_keys = table.shape[1] * page
   splits = num_splits or choose_splits(b * nk * row_tiles, max_keys, block_n,
-                                       rows=block_m)
+                                       rows=block_m, per_sm=tiles[3])
   cdt = jnp.dtype(compute_dtype)
   qp = pack_queries(q.astype(cdt), nk, row_tiles * block_m, d)
   dummy = jnp.zeros((1,), jnp.float32)
