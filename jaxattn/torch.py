@@ -54,7 +54,10 @@ are imported on that stream (what ``jax.dlpack.from_dlpack`` and torch's
 wrote them; the output is exported with torch's current stream
 (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does), and jax makes
 that stream wait until the result is ready.  Calls are therefore ordered on
-whichever torch stream is current (``with torch.cuda.stream(s):``).
+whichever torch stream is current (``with torch.cuda.stream(s):``).  With
+jax 0.11.2 the executable's launch waits on the host until the external
+stream's event is reached (PJRT's ``Execute`` on buffers defined there),
+so a call returns once the torch work queued before it is done.
 """
 from __future__ import annotations
 

@@ -560,6 +560,23 @@ def test_cuda_stream_order_without_synchronising():
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0)
 
+  # several calls queued behind a sleeping stream (a chain of small kernels
+  # above may finish before the host has queued it): each call reads the
+  # inputs its own producers wrote
+  with torch.cuda.stream(side):
+    outs, inputs = [], []
+    torch.cuda._sleep(200_000_000)   # ~0.1 s
+    for trial in range(4):
+      q = (base * (trial + 1)).half()
+      k, v = q.flip(2), q.flip(3)
+      outs.append(jt.attention(q, k, v, method="fp32", is_causal=True))
+      inputs.append((q, k, v))
+  torch.cuda.synchronize()
+  for out, (q, k, v) in zip(outs, inputs):
+    want = jt.attention(q, k, v, method="fp32", is_causal=True)
+    torch.cuda.synchronize()
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+
 
 def test_index_mask_keywords_forward_backward_and_compile():
   """Query lengths, a window, segment ids and bottom-right alignment pass
