@@ -236,8 +236,8 @@ def sm_count() -> int | None:
   return getattr(common.default_device(), "core_count", None)
 
 
-def choose_splits(programs: int, max_keys: int, block_n: int,
-                  rows: int = 16, per_sm: int = 8) -> int:
+def choose_splits(programs: int, max_keys: int, block_n: int, *,
+                  per_sm: int, rows: int = 16) -> int:
   """Splits of each program's keys: ``per_sm`` programs per multiprocessor
   (rounded down: a partial last wave costs a whole one), with at least
   ``max(MIN_KEYS_PER_SPLIT, 16 * rows, block_n)`` keys each, so that the

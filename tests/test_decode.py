@@ -245,16 +245,16 @@ def test_kernel_under_x64():
 def test_split_choice(monkeypatch):
   # interpret mode (no GPU): few programs
   monkeypatch.setattr(kernel, "sm_count", lambda: None)
-  assert kernel.choose_splits(64, 32768, 64) == 4
-  assert kernel.choose_splits(1, 64, 64) == 1
+  assert kernel.choose_splits(64, 32768, 64, per_sm=8) == 4
+  assert kernel.choose_splits(1, 64, 64, per_sm=8) == 1
   # an H200 (132 SMs): 8 programs per SM in whole waves (6 for a 16-bit
   # cache), at least 256 keys and 16 rows' worth of partials per split
   monkeypatch.setattr(kernel, "sm_count", lambda: 132)
-  assert kernel.choose_splits(64, 32768, 64) == 16
-  assert kernel.choose_splits(256, 32768, 64) == 4
+  assert kernel.choose_splits(64, 32768, 64, per_sm=8) == 16
+  assert kernel.choose_splits(256, 32768, 64, per_sm=8) == 4
   assert kernel.choose_splits(64, 32768, 64, per_sm=6) == 12
-  assert kernel.choose_splits(8, 32768, 64) == 128
-  assert kernel.choose_splits(8, 4096, 64, rows=64) == 4
+  assert kernel.choose_splits(8, 32768, 64, per_sm=8) == 128
+  assert kernel.choose_splits(8, 4096, 64, per_sm=8, rows=64) == 4
 
 
 # --- Flax: greedy generation through the drop-in decode layer ------------
