@@ -46,18 +46,19 @@ instead of tracing DLPack.  Its backward is the operator
 inputs, straight through the quantization) on the saved inputs and the
 forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
 
-CUDA streams: nothing synchronises the device.  Per call, torch's current
-stream records one event and jax's stream for external buffers
-(``get_stream_for_external_ready_events``) waits for it, then the inputs
-are imported on that stream (what ``jax.dlpack.from_dlpack`` and torch's
-``__dlpack__`` do per tensor), so jax reads them after the torch work that
-wrote them; the output is exported with torch's current stream
-(``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does), and jax makes
-that stream wait until the result is ready.  Calls are therefore ordered on
-whichever torch stream is current (``with torch.cuda.stream(s):``).  With
-jax 0.11.2 the executable's launch waits on the host until the external
-stream's event is reached (PJRT's ``Execute`` on buffers defined there),
-so a call returns once the torch work queued before it is done.
+CUDA streams: nothing synchronises the device, and the host does not wait
+for torch's queued work.  Importing the inputs on a stream (what
+``jax.dlpack.from_dlpack`` does) would make jax 0.11.2's launch block the
+host until torch's stream reaches them, so they are imported without one,
+and a fence (:class:`_Fence`) orders the reads on the device: per call
+torch's current stream increments a counter in device memory, and the
+call's first kernel spins until the counter reaches its turn
+(:mod:`pallas_kernels.stream_fence`).  The output is exported with torch's
+current stream (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does),
+and jax makes that stream wait until the result is ready.  Calls are
+therefore ordered on whichever torch stream is current (``with
+torch.cuda.stream(s):``).  The fence costs the executable its command
+buffers (see :class:`_Plan`); the first call on a stream makes its counter.
 """
 from __future__ import annotations
 
@@ -71,6 +72,7 @@ import torch
 
 import jaxattn
 from jaxattn import api, base, grad
+from pallas_kernels import stream_fence
 
 try:  # jax's C++ DLPack import, under jax.dlpack.from_dlpack's Python
   from jax._src.lib import _jax as _jaxlib
@@ -94,6 +96,7 @@ _QK_QUANT_GRAN = {"per_warp": "warp", "per_block": "block",
                   "per_token": "token", "per_tensor": "tensor"}
 _NO_INDEX = (None, None, None)
 _MAX_ENTRIES = 512   # signatures kept per cache (the oldest goes first)
+_NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def _check_dtype(tensor: torch.Tensor, name: str, allowed=_FLOAT) -> None:
@@ -296,6 +299,44 @@ def _cuda_handshake(index: int, device):
   return stream, current.cuda_stream or 1
 
 
+class _Fence:
+  """Orders jax's stream after one torch stream without a host wait
+  (:mod:`pallas_kernels.stream_fence`): an int32 ``[2]`` counter (posts,
+  turns) in jax's memory, shared with torch.  Per call torch's stream posts
+  (after the work that wrote the inputs), then the call's executable, whose
+  first kernel waits on the device for that post, is launched."""
+
+  __slots__ = ("array", "tensor", "posts")
+
+  def __init__(self, device, stream: int):
+    # jax's zeros, queued on jax's stream before every wait; torch's stream
+    # waits for them before its first post
+    self.array = jax.device_put(np.zeros(2, np.int32), device)
+    self.tensor = _to_torch(self.array, stream)
+    self.posts = self.tensor[:1]
+
+  def post(self) -> None:
+    """Queued on torch's current stream, after the work that wrote the
+    inputs."""
+    self.posts.add_(1)
+
+  def unpost(self) -> None:
+    self.posts.sub_(1)
+
+
+_FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
+
+
+def _fence_for(index: int, device):
+  """``(torch's current stream as a DLPack stream number, its fence)``."""
+  # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
+  stream = torch.cuda.current_stream(index).cuda_stream or 1
+  fence = _FENCES.get((index, stream))
+  if fence is None:
+    fence = _FENCES[index, stream] = _Fence(device, stream)
+  return stream, fence
+
+
 def _dense_layout(tensor: torch.Tensor):
   """``(perm, copy, axes)``: the tensor crosses as ``tensor.permute(perm)``
   (perm None: as it is), a view of its dense buffer, or (copy True) as
@@ -381,18 +422,32 @@ class _Plan:
     self.recipes = tuple(recipes)
     has_lens = lens is not None
 
+    fenced = self.cuda is not None
+
     def traced(*args):
+      token = None
+      if fenced:   # every reader of the inputs waits for torch's post
+        token = stream_fence.wait_for(args[-1])
+        args = jax.lax.optimization_barrier((token, args[:-1]))[1]
       args = iter(args)
       arrays = [None if m is None else _restore(next(args), *m) for m in metas]
-      return body(arrays, next(args) if has_lens else None)
+      out = body(arrays, next(args) if has_lens else None)
+      # (an output, so that XLA keeps the wait: the barrier alone is no use
+      # of it, and the wait has no side effect XLA knows of)
+      return out if token is None else (out, token)
 
-    args, _ = self.inputs(tensors, lens)
+    args, _, _ = self.inputs(tensors, lens)
     with _jax_device(torch_device):
-      self.compiled = jax.jit(traced).lower(*args).compile()
+      # Without command buffers XLA launches the kernels in its schedule's
+      # order, in which the barrier puts the wait first; a command buffer
+      # orders them by buffer conflicts only, and the token is none.
+      self.compiled = jax.jit(traced).lower(*args).compile(
+          compiler_options=_NO_COMMAND_BUFFERS if fenced else None)
 
   def inputs(self, tensors, lens):
-    """The executable's arguments for ``tensors`` and ``lens``, and torch's
-    stream to export its outputs on (None on the CPU)."""
+    """The executable's arguments for ``tensors`` and ``lens`` (on CUDA the
+    fence's counter last), torch's stream to export the outputs on and its
+    fence (both None on the CPU)."""
     views = []
     for t, recipe in zip(tensors, self.recipes):
       if recipe is not None:
@@ -404,13 +459,15 @@ class _Plan:
         if as_uint8:
           t = t.view(torch.uint8)
         views.append(t)
-    stream = export_stream = None
-    if self.cuda is not None:   # after any copy above: it is torch's work too
-      stream, export_stream = _cuda_handshake(self.cuda, self.device)
-    args = [_to_jax(t, self.device, stream, self.dl_type) for t in views]
+    # (no stream: the fence orders jax's reads after torch's work)
+    args = [_to_jax(t, self.device, None, self.dl_type) for t in views]
     if lens is not None:
       args.append(lens)
-    return args, export_stream
+    if self.cuda is None:
+      return args, None, None
+    export_stream, fence = _fence_for(self.cuda, self.device)
+    args.append(fence.array)
+    return args, export_stream, fence
 
   def __call__(self, tensors, lens=None):
     """``(jax outputs, torch's stream to export them on, the imported
@@ -418,8 +475,19 @@ class _Plan:
     that is after the computation, so that their release (torch's DLPack
     deleter, which takes the GIL) runs in this thread, not in XLA's worker
     while this one waits holding the GIL."""
-    args, export_stream = self.inputs(tensors, lens)
-    return self.compiled(*args), export_stream, args
+    args, export_stream, fence = self.inputs(tensors, lens)
+    if fence is None:
+      return self.compiled(*args), export_stream, args
+    # The post goes first: on torch's legacy default stream a kernel waits
+    # for every blocking stream's work, jax's wait included, so a post
+    # queued after the launch would never run.
+    fence.post()
+    try:
+      out = self.compiled(*args)[0]
+    except BaseException:
+      fence.unpost()   # no turn was taken: the next wait must not pass early
+      raise
+    return out, export_stream, args
 
 
 # --- the forward and backward as plans ------------------------------------

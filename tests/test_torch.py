@@ -540,7 +540,8 @@ def test_cuda_stream_order_without_synchronising():
   """On a GPU: inputs written by a long chain of kernels on a side torch
   stream, the call on that stream and the output read there, with no
   synchronisation in between, equal the same call after a full
-  synchronisation (jax waits for torch's stream, torch for jax's result).
+  synchronisation (jax's kernels wait on the device for torch's stream,
+  torch for jax's result), and the host does not wait for the stream.
   Repeated, since a missing wait is a race."""
   if not torch.cuda.is_available():
     pytest.fail("jax sees a GPU but torch does not")
@@ -571,6 +572,9 @@ def test_cuda_stream_order_without_synchronising():
       k, v = q.flip(2), q.flip(3)
       outs.append(jt.attention(q, k, v, method="fp32", is_causal=True))
       inputs.append((q, k, v))
+  # the host did not wait for the sleeping stream (the fence waits on the
+  # device): it is still busy after the four calls were queued
+  assert not side.query()
   torch.cuda.synchronize()
   for out, (q, k, v) in zip(outs, inputs):
     want = jt.attention(q, k, v, method="fp32", is_causal=True)
@@ -609,3 +613,20 @@ def test_index_mask_keywords_forward_backward_and_compile():
     jt.attention(q, k, v, query_seq_lengths=[T + 1, 0])
   with pytest.raises(TypeError, match="q_segment_ids must hold integers"):
     jt.attention(q, k, v, q_segment_ids=q_seg.float())
+
+
+def test_stream_fence_takes_its_turn():
+  """The fence's wait (Triton's interpreter on the CPU): posted turns are
+  taken at once (the token is the turn), a post still missing times out
+  to -1, and a counter of another shape is refused."""
+  from pallas_kernels import stream_fence
+  posted = stream_fence.wait_for(jnp.array([3, 2], jnp.int32))
+  assert posted.tolist() == [3]
+  wrapped = stream_fence.wait_for(
+      jnp.array([-2**31, 2**31 - 1], jnp.int32))   # the counts wrap
+  assert wrapped.tolist() == [-2**31]
+  missing = stream_fence.wait_for(jnp.array([2, 2], jnp.int32), max_spins=3)
+  assert missing.tolist() == [-1]
+  with pytest.raises(ValueError, match="counter must be int32"):
+    stream_fence.wait_for(jnp.zeros((2,), jnp.int64 if jax.config.
+                                    jax_enable_x64 else jnp.float32))
