@@ -58,7 +58,8 @@ current stream (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does),
 and jax makes that stream wait until the result is ready.  Calls are
 therefore ordered on whichever torch stream is current (``with
 torch.cuda.stream(s):``).  The fence costs the executable its command
-buffers (see :class:`_Plan`); the first call on a stream makes its counter.
+buffers (see :class:`_Plan`).  The first call on a stream makes its
+counter, and on the H200 waited for that stream once.
 """
 from __future__ import annotations
 
