@@ -65,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -256,8 +257,9 @@ def _find_exporter():
 
 def _to_jax(tensor: torch.Tensor, device, stream, dl_type: int):
   """A dense tensor as a jax array on ``device`` sharing its memory (jax
-  copies a buffer that is not 16-byte aligned).  On CUDA ``stream`` is jax's
-  stream for external buffers, which the caller made wait for torch's."""
+  copies a buffer that is not 16-byte aligned).  On CUDA ``stream`` is
+  jax's stream for external buffers, which the caller made wait for
+  torch's, or None where a fence orders the reads (:class:`_Fence`)."""
   global _importer
   if _importer is _UNSET:
     _importer = _find_importer()
@@ -265,7 +267,8 @@ def _to_jax(tensor: torch.Tensor, device, stream, dl_type: int):
     try:
       return _importer(tensor, device, stream, dl_type)
     except Exception:  # pylint: disable=broad-except
-      pass   # (a pinned tensor, say): jax's own path, which handshakes itself
+      pass   # (a pinned tensor, say): jax's own path, which handshakes
+      # itself (and makes the launch wait on the host)
   return jax.dlpack.from_dlpack(tensor.detach(), device=device)
 
 
@@ -305,24 +308,32 @@ class _Fence:
   (:mod:`pallas_kernels.stream_fence`): an int32 ``[2]`` counter (posts,
   turns) in jax's memory, shared with torch.  Per call torch's stream posts
   (after the work that wrote the inputs), then the call's executable, whose
-  first kernel waits on the device for that post, is launched."""
+  first kernel waits on the device for that post, is launched.  While it
+  waits, all of jax's work on the device waits with it."""
 
-  __slots__ = ("array", "tensor", "posts")
+  __slots__ = ("array", "tensor", "posts", "lock", "index")
 
-  def __init__(self, device, stream: int):
+  def __init__(self, device, stream: int, index: int):
     # jax's zeros, queued on jax's stream before every wait; torch's stream
     # waits for them before its first post
     self.array = jax.device_put(np.zeros(2, np.int32), device)
     self.tensor = _to_torch(self.array, stream)
     self.posts = self.tensor[:1]
+    self.lock = threading.Lock()
+    self.index = index
 
   def post(self) -> None:
     """Queued on torch's current stream, after the work that wrote the
     inputs."""
     self.posts.add_(1)
 
-  def unpost(self) -> None:
-    self.posts.sub_(1)
+  def resync(self) -> None:
+    """After a launch that failed: once every queued wait has passed (each
+    had its post), posts := turns taken, so the next wait is the next
+    post's."""
+    torch.cuda.synchronize(self.index)
+    self.posts.copy_(self.tensor[1:])
+    torch.cuda.synchronize(self.index)
 
 
 _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
@@ -331,10 +342,15 @@ _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
 def _fence_for(index: int, device):
   """``(torch's current stream as a DLPack stream number, its fence)``."""
   # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
+  if torch.cuda.is_current_stream_capturing():
+    # a captured post runs at each replay, but jax's wait runs now, once
+    raise RuntimeError("jaxattn.torch cannot run inside a CUDA graph capture "
+                       "(torch.cuda.graph, torch.compile's reduce-overhead "
+                       "mode): jax launches its kernels outside the graph")
   stream = torch.cuda.current_stream(index).cuda_stream or 1
   fence = _FENCES.get((index, stream))
   if fence is None:
-    fence = _FENCES[index, stream] = _Fence(device, stream)
+    fence = _FENCES[index, stream] = _Fence(device, stream, index)
   return stream, fence
 
 
@@ -397,8 +413,9 @@ class _Plan:
   (float8 widened, axis order restored, then transposed by ``to[i]``; None
   for an absent tensor) and ``lens`` (int32 ``[B]`` or None), and compiled
   for the tensors' device.  A call imports the tensors (views and copies
-  decided here, from the first call's strides), handshakes the streams on
-  CUDA and runs the executable.
+  decided here, from the first call's strides), on CUDA posts to torch's
+  stream's fence (:class:`_Fence`), and runs the executable, whose first
+  kernel waits for that post.
   """
 
   __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda")
@@ -459,6 +476,10 @@ class _Plan:
           t = t.permute(perm)
         if as_uint8:
           t = t.view(torch.uint8)
+        if self.cuda is not None and t.data_ptr() % 16:
+          # jax would copy it at the import, on its stream, before the
+          # fence's wait: torch copies it, after the work that wrote it
+          t = t.clone()
         views.append(t)
     # (no stream: the fence orders jax's reads after torch's work)
     args = [_to_jax(t, self.device, None, self.dl_type) for t in views]
@@ -482,12 +503,13 @@ class _Plan:
     # The post goes first: on torch's legacy default stream a kernel waits
     # for every blocking stream's work, jax's wait included, so a post
     # queued after the launch would never run.
-    fence.post()
-    try:
-      out = self.compiled(*args)[0]
-    except BaseException:
-      fence.unpost()   # no turn was taken: the next wait must not pass early
-      raise
+    with fence.lock:   # (another thread's post must not come between)
+      fence.post()
+      try:
+        out = self.compiled(*args)[0]
+      except BaseException:
+        fence.resync()   # a turn may or may not have been taken
+        raise
     return out, export_stream, args
 
 

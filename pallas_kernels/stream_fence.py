@@ -7,8 +7,9 @@ increments ``counter[0]`` after its work (a post), and the computation's
 first kernel spins until ``counter[0]`` reaches its own turn,
 ``counter[1] + 1``, then stores that turn in ``counter[1]``.  Posts and
 turns are counted, not flagged, so calls queued back to back each wait for
-their own post.  The semantics are those of ``cudaStreamWaitEvent``: the
-consumer's queue waits, the host does not.
+their own post.  As with ``cudaStreamWaitEvent`` the consumer's stream
+waits and the host does not; unlike it, the wait gives up after
+:data:`MAX_SPINS` loads.
 
 The caller ties every reader of the guarded buffers to the token
 (``lax.optimization_barrier``), returns the token (XLA drops a kernel whose
@@ -25,9 +26,9 @@ import jax.numpy as jnp
 from pallas_kernels import triton_call
 from pallas_kernels.triton_call import tl, triton
 
-# About half an hour of ~1 us volatile loads: effectively the unbounded
-# wait of cudaStreamWaitEvent, but a lost post cannot hang the device
-# forever.  A wait that times out returns -1.
+# About half an hour of ~1 us volatile loads: a lost post (a bug) stalls
+# the device that long, then the computation runs on whatever its inputs
+# hold; the token is -1.
 MAX_SPINS = (1 << 31) - 1
 
 

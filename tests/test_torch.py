@@ -567,19 +567,39 @@ def test_cuda_stream_order_without_synchronising():
   with torch.cuda.stream(side):
     outs, inputs = [], []
     torch.cuda._sleep(200_000_000)   # ~0.1 s
+    slept = torch.cuda.Event()
+    slept.record(side)
     for trial in range(4):
       q = (base * (trial + 1)).half()
       k, v = q.flip(2), q.flip(3)
       outs.append(jt.attention(q, k, v, method="fp32", is_causal=True))
       inputs.append((q, k, v))
   # the host did not wait for the sleeping stream (the fence waits on the
-  # device): it is still busy after the four calls were queued
-  assert not side.query()
+  # device): the sleep had not ended when the four calls returned
+  assert not slept.query()
   torch.cuda.synchronize()
   for out, (q, k, v) in zip(outs, inputs):
     want = jt.attention(q, k, v, method="fp32", is_causal=True)
     torch.cuda.synchronize()
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+  torch.cuda.synchronize()
+  for fence in jt._FENCES.values():   # each post had its turn, no more
+    posts, turns = fence.tensor.tolist()
+    assert posts == turns > 0
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_is_refused():
+  """Inside a CUDA graph capture a call raises (jax's kernels cannot join
+  the graph), and the stream's fence stays in step for the next call."""
+  q = torch.randn(1, 2, 64, 32, device="cuda", dtype=torch.float16)
+  want = jt.attention(q, q, q, method="fp32")
+  graph = torch.cuda.CUDAGraph()
+  with pytest.raises(RuntimeError, match="CUDA graph capture"):
+    with torch.cuda.graph(graph):
+      jt.attention(q, q, q, method="fp32")
+  torch.testing.assert_close(jt.attention(q, q, q, method="fp32"), want,
+                             rtol=0, atol=0)
 
 
 def test_index_mask_keywords_forward_backward_and_compile():
@@ -630,3 +650,37 @@ def test_stream_fence_takes_its_turn():
   with pytest.raises(ValueError, match="counter must be int32"):
     stream_fence.wait_for(jnp.zeros((2,), jnp.int64 if jax.config.
                                     jax_enable_x64 else jnp.float32))
+
+
+def test_a_failed_launch_resyncs_the_fence(monkeypatch):
+  """On CUDA a call posts to its fence, then launches under the fence's
+  lock; a launch that raises resyncs the fence (posts := turns) and
+  releases the lock (checked with stand-ins for the fence and the
+  executable: the CPU has no streams)."""
+  q, k, v = hnd(21)
+  jt.attention(q, k, v, **REF)
+  plan = list(jt._DIRECT.values())[-1]
+  events = []
+
+  class Fence:
+    lock = __import__("threading").Lock()
+    def post(self):
+      events.append("post")
+    def resync(self):
+      events.append("resync")
+
+  fence = Fence()
+  monkeypatch.setattr(jt._Plan, "inputs",
+                      lambda self, tensors, lens: ([], 7, fence))
+
+  def fails(*args):
+    assert fence.lock.locked()
+    raise RuntimeError("launch failed")
+
+  monkeypatch.setattr(plan, "compiled", fails)
+  with pytest.raises(RuntimeError, match="launch failed"):
+    plan((q, k, v, None, None, None, None))
+  assert events == ["post", "resync"] and not fence.lock.locked()
+  monkeypatch.setattr(plan, "compiled", lambda *a: ("out", "token"))
+  assert plan((q, k, v, None, None, None, None))[:2] == ("out", 7)
+  assert events == ["post", "resync", "post"]
