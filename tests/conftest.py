@@ -89,17 +89,17 @@ EXTENDED_CELLS = {
          "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
          "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
     "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two":
-        ["fp8", "fmha_int8", "sage"],
+        ["fp8", "fmha_int8", "sage", "fp32"],
     "tests/test_sage.py::test_calls_beyond_the_bias_limit_run_by_query_chunks":
         ["triton", "mosaic"],
     "tests/multidevice_cases.py::test_ring_attention_every_method":
         ["fp16_fp32-reference-False", "fp16-reference-False",
          "int8-reference-False", "fmha_int8-reference-False",
-         "pasa-reference-False"],
+         "pasa-reference-False", "sage-reference-False"],
     "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
         ["fmha_int8", "int8"],
     "tests/multidevice_cases.py::test_batch_and_head_sharding_is_shard_local":
-        ["reference-fp16"],
+        ["reference-fp16", "reference-fp16_fp32"],
     "tests/test_mosaic.py::test_mosaic_pads_head_dims_to_its_tiles":
         ["fp32-{}-96", "pasa-{}-96", "fp8-{}-80"],
     "tests/test_mosaic.py::test_mosaic_interpreted_matches_reference":
