@@ -341,12 +341,12 @@ _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
 
 def _fence_for(index: int, device):
   """``(torch's current stream as a DLPack stream number, its fence)``."""
-  # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
   if torch.cuda.is_current_stream_capturing():
     # a captured post runs at each replay, but jax's wait runs now, once
     raise RuntimeError("jaxattn.torch cannot run inside a CUDA graph capture "
                        "(torch.cuda.graph, torch.compile's reduce-overhead "
                        "mode): jax launches its kernels outside the graph")
+  # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
   stream = torch.cuda.current_stream(index).cuda_stream or 1
   fence = _FENCES.get((index, stream))
   if fence is None:

@@ -10,6 +10,7 @@ timed).
 """
 import collections
 import inspect
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -663,7 +664,7 @@ def test_a_failed_launch_resyncs_the_fence(monkeypatch):
   events = []
 
   class Fence:
-    lock = __import__("threading").Lock()
+    lock = threading.Lock()
     def post(self):
       events.append("post")
     def resync(self):
