@@ -57,9 +57,10 @@ call's first kernel spins until the counter reaches its turn
 current stream (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does),
 and jax makes that stream wait until the result is ready.  Calls are
 therefore ordered on whichever torch stream is current (``with
-torch.cuda.stream(s):``).  The fence costs the executable its command
-buffers (see :class:`_Plan`).  The first call on a stream makes its
-counter, and on the H200 waited for that stream once.
+torch.cuda.stream(s):``).  (Torch's own allocator can still wait: with
+jax holding most of the GPU's memory, a first allocation on a new stream
+that does not fit frees torch's cached blocks, which synchronises.  Leave
+torch room: ``XLA_PYTHON_CLIENT_MEM_FRACTION``.)
 """
 from __future__ import annotations
 
@@ -98,7 +99,6 @@ _QK_QUANT_GRAN = {"per_warp": "warp", "per_block": "block",
                   "per_token": "token", "per_tensor": "tensor"}
 _NO_INDEX = (None, None, None)
 _MAX_ENTRIES = 512   # signatures kept per cache (the oldest goes first)
-_NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
 
 
 def _check_dtype(tensor: torch.Tensor, name: str, allowed=_FLOAT) -> None:
@@ -456,11 +456,7 @@ class _Plan:
 
     args, _, _ = self.inputs(tensors, lens)
     with _jax_device(torch_device):
-      # Without command buffers XLA launches the kernels in its schedule's
-      # order, in which the barrier puts the wait first; a command buffer
-      # orders them by buffer conflicts only, and the token is none.
-      self.compiled = jax.jit(traced).lower(*args).compile(
-          compiler_options=_NO_COMMAND_BUFFERS if fenced else None)
+      self.compiled = jax.jit(traced).lower(*args).compile()
 
   def inputs(self, tensors, lens):
     """The executable's arguments for ``tensors`` and ``lens`` (on CUDA the
