@@ -57,10 +57,10 @@ call's first kernel spins until the counter reaches its turn
 current stream (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does),
 and jax makes that stream wait until the result is ready.  Calls are
 therefore ordered on whichever torch stream is current (``with
-torch.cuda.stream(s):``).  (Torch's own allocator can still wait: with
-jax holding most of the GPU's memory, a first allocation on a new stream
-that does not fit frees torch's cached blocks, which synchronises.  Leave
-torch room: ``XLA_PYTHON_CLIENT_MEM_FRACTION``.)
+torch.cuda.stream(s):``).  (Torch's own ops can still wait: on the H200
+the first calls queued on a new stream waited inside torch's ``q * i``,
+most likely its allocator making room beside jax's preallocated memory;
+``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves torch room.)
 """
 from __future__ import annotations
 
