@@ -69,8 +69,8 @@ attends with the same arithmetic (:func:`paged_to_dense` gathers it).
 ``"fp16_fp32"``, ``"fp16"`` and ``"fmha_int8"`` have no decode path
 (NotImplementedError says why).  ``"int8"`` quantizes the query per row
 as its prefill does (INT-FlashAttention's ``S_Q``), so QK is an int8 dot on
-the stored keys: 11-14% faster than converting K, at cosine 0.99998 to the
-float16 query (H200, B=8 and 32, 32k keys).  Elsewhere the query stays in
+the stored keys: 6-12% faster than converting K (H200, B=8 and 32, 32k
+keys, dense and paged), at cosine 0.99998 to the float16 query's output.  Elsewhere the query stays in
 the compute dtype.  Values stored in 8 bits are exact in float16, so the
 kernel converts them in registers and applies the key scale to the score
 columns; values are dequantized to float16 before the PV dot (a per-token
