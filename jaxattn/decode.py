@@ -44,7 +44,8 @@ method     cache (:data:`METHOD_CACHES`, default first)  kernel arithmetic
 "fp32"     bfloat16 or float16 K and V                 dots in the cache
                                                        dtype, float32 softmax
 "pasa"     float16 K (shifted by k_mean) and V         float16 scores
-"int8"     int8 K (smoothed) and int8 V                dots in float16
+"int8"     int8 K (smoothed) and int8 V                int8 QK (the query
+                                                       per row), float16 PV
 "fp8"      e4m3 K (smoothed) and e4m3 V                dots in float16
 "sage"     int8 K (smoothed) and e4m3 V                dots in float16
 =========  ==========================================  =====================
@@ -70,11 +71,12 @@ attends with the same arithmetic (:func:`paged_to_dense` gathers it).
 (NotImplementedError says why).  ``"int8"`` quantizes the query per row
 as its prefill does (INT-FlashAttention's ``S_Q``), so QK is an int8 dot on
 the stored keys: 6-12% faster than converting K (H200, B=8 and 32, 32k
-keys, dense and paged), at cosine 0.99998 to the float16 query's output.  Elsewhere the query stays in
-the compute dtype.  Values stored in 8 bits are exact in float16, so the
-kernel converts them in registers and applies the key scale to the score
-columns; values are dequantized to float16 before the PV dot (a per-token
-scale cannot be taken out of a sum over tokens).
+keys, dense and paged), at cosine 0.99998 to the float16 query's output.
+Elsewhere the query stays in the compute dtype.  Other 8-bit values are
+exact in float16, so the kernel converts them in registers (K for the
+other methods' QK, V for every PV dot); the key scale multiplies the score
+columns, and V's its P columns (a per-token scale cannot be taken out of
+a sum over tokens).
 """
 from __future__ import annotations
 
@@ -995,7 +997,8 @@ def _kernel(q, k, v, k_scale, v_scale, table, lengths, *, layout, page,
   pasa = method == "pasa"
   qk = (q.astype(jnp.float32) * scale).astype(jnp.float16) if pasa else q
   q_scale = None
-  if method in INT8_QUERY:
+  if method in INT8_QUERY:   # (not PASA: its query is pre-scaled)
+    assert not pasa
     qk, q_scale = int_flash.quantize_per_token(q)
   # (the kernel's wrapper computes its indices in 32 bits: traced with x64
   # off, as the API's kernels are)

@@ -57,10 +57,10 @@ call's first kernel spins until the counter reaches its turn
 current stream (``__dlpack__(stream=...)``, as ``torch.from_dlpack`` does),
 and jax makes that stream wait until the result is ready.  Calls are
 therefore ordered on whichever torch stream is current (``with
-torch.cuda.stream(s):``).  (Torch's own ops can still wait: on the H200
-the first calls queued on a new stream waited inside torch's ``q * i``,
-most likely its allocator making room beside jax's preallocated memory;
-``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves torch room.)
+torch.cuda.stream(s):``).  (Torch's own ops may still wait on the host:
+on the H200 the first calls queued on a new stream waited inside a torch
+op, most likely its allocator making room beside jax's preallocated
+memory; ``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves torch room.)
 """
 from __future__ import annotations
 

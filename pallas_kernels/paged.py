@@ -115,9 +115,9 @@ def _kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr,
   """q ``[B, K, ROW_TILES * BLOCK_M, HEAD_DIM]`` packed rows in the compute
   dtype, or (``Q_INT8``, with an int8 K) in int8 with float32 row scales
   qs ``[B, K, ROW_TILES * BLOCK_M]``; k, v the cache (module docstring);
-  ks, vs float32 scales (or dummies); table int32 ``[B, pages_per_seq]``; len int32 ``[B]``; o float32
-  ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M, HEAD_DIM]``, m, l float32
-  ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M]``."""
+  ks, vs float32 scales (or dummies); table int32 ``[B, pages_per_seq]``;
+  len int32 ``[B]``; o float32 ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M,
+  HEAD_DIM]``, m, l float32 ``[B, K, NUM_SPLITS, ROW_TILES * BLOCK_M]``."""
   bh = tl.program_id(0)
   tile = tl.program_id(1)
   split = tl.program_id(2)
@@ -167,8 +167,14 @@ def _kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr,
     # the length are masked below; V's are zero-filled, since 0 * NaN in
     # a slot nobody wrote would reach the output)
     k = tl.load(k_ptr + kv_off)
-    if Q_INT8:   # an int8 dot on the stored K: no conversion, no copy
-      s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+    if Q_INT8:
+      if HEAD_DIM >= 32:   # an int8 dot on the stored K: no conversion
+        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
+      else:   # (Triton's 8-bit dots need 32 channels; the int8 products
+        # and their float32 sums are exact in a float16 dot all the same)
+        s = tl.dot(q.to(tl.float16),
+                   tl.trans(_to_compute(k, K_INT8, BF16, ASM)),
+                   out_dtype=tl.float32)
       s = s * q_scale[:, None]
     else:
       s = tl.dot(q, tl.trans(_to_compute(k, K_INT8, BF16, ASM)),
@@ -312,9 +318,11 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
       ``D``, or None.
     q_scale: float32 ``[B, T, N]``, the row scales of an int8 ``q`` (an
       int8 ``k`` only): the scores are ``(q k^T)_int32 * q_scale``.
-    compute_dtype: float16 or bfloat16, the dots' operand dtype.
+    compute_dtype: float16 or bfloat16, the dots' operand dtype (but an
+      int8 ``q``'s QK dot, which is int8).
   Returns:
-    ``[B, T, N, D]`` in ``out_dtype`` (default q's).
+    ``[B, T, N, D]`` in ``out_dtype`` (default q's; float32 for an int8
+    ``q``).
   """
   b, t, n, d = q.shape
   if layout == "paged":
@@ -338,6 +346,9 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
     raise ValueError(f"an int8 q needs q_scale and an int8 k, got q "
                      f"{q.dtype}, k {k.dtype}, q_scale "
                      f"{'given' if q_int8 else None}")
+  if q_int8 and tuple(q_scale.shape) != (b, t, n):
+    raise ValueError(f"q_scale must be [B, T, N] = {(b, t, n)}, got "
+                     f"{tuple(q_scale.shape)}")
   if d not in (16, 32, 64, 128, 256):
     raise NotImplementedError(f"head dim {d}: the kernel takes 16, 32, 64, "
                               "128 or 256")

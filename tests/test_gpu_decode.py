@@ -4,7 +4,8 @@ cache format, dense and paged, against the reference on the same bits.
 32 query and 8 KV heads, D=128, pages of 64 keys shuffled in a pool that
 holds garbage; rows of 3001 keys (a partial last page), 1234 and 0; one new
 token and 16 (bottom-right causal); the kernel's own tiles and the GPU's
-splits; NaN-filled allocations before each kernel call."""
+splits; NaN in every slot past a row's length, and NaN-filled allocations
+larger than the kernel's partial outputs before each call."""
 import numpy as np
 import pytest
 
@@ -17,8 +18,7 @@ pytestmark = pytest.mark.gpu
 
 B, NK, N, D, PS = 3, 8, 32, 128, 64
 LENGTHS = (3001, 1234, 0)
-# the interpret-mode tests' bounds (tests/test_paged.py), and fp32's: a
-# bfloat16 P over rows of thousands of keys
+# the interpret-mode tests' bounds (tests/test_paged.py)
 KERNEL_ATOL = {"fp32": 8e-3, "pasa": 1e-3, "int8": 1e-3, "fp8": 1e-3,
                "sage": 1e-3}
 FORMATS = [(m, dict(k_dtype=k, v_dtype=v) | (
@@ -27,8 +27,29 @@ FORMATS = [(m, dict(k_dtype=k, v_dtype=v) | (
 _ids = [f"{m}-{o['k_dtype']}" for m, o in FORMATS]
 
 
+# floats: more than the kernel's (o, m, l) partials, [B, K, splits, rows, D]
+POISON = (B * NK * 64 * 32, D)
+
+
 def _normal(key, shape, shift=0.0):
   return jax.random.normal(jax.random.key(key), shape, jnp.float32) + shift
+
+
+def _bad(x, where):
+  """``x`` with NaN (or -128 in int8) where ``where`` holds."""
+  return jnp.where(where, jnp.asarray(-128 if x.dtype == jnp.int8
+                                      else jnp.nan, x.dtype), x)
+
+
+def _garbage_past(cache, lengths):
+  """The dense cache with garbage in every slot at or past a row's
+  length: the kernel must not read it."""
+  past = jnp.arange(cache.capacity)[None, None, :] >= lengths[:, None, None]
+  fill = lambda x: None if x is None else _bad(
+      x, past if x.ndim == 3 else past[..., None])
+  return decode.KVCache(k=fill(cache.k), v=fill(cache.v),
+                        k_scale=fill(cache.k_scale),
+                        v_scale=fill(cache.v_scale), k_mean=cache.k_mean)
 
 
 def _poisoned(cache):
@@ -74,11 +95,12 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
     q = _normal(100 + t_new, (B, t_new, N, D))
     ref = decode.decode_attention(q, paged, lengths, page_indices=table,
                                   method=method, implementation="reference")
-    poison_allocator((B, t_new, N, D))
+    poison_allocator(POISON)
     out = decode.decode_attention(q, paged, lengths, page_indices=table,
                                   method=method)
-    poison_allocator((B, t_new, N, D))
-    out_dense = decode.decode_attention(q, dense, lengths, method=method)
+    poison_allocator(POISON)
+    out_dense = decode.decode_attention(q, _garbage_past(dense, lengths),
+                                        lengths, method=method)
     for got in (out, out_dense):
       assert got.shape == q.shape and got.dtype == q.dtype
       assert bool(jnp.isfinite(got).all()), (method, t_new)
@@ -86,4 +108,30 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
       assert err < KERNEL_ATOL[method], (method, t_new, err)
     if step == 0:   # the empty row sees no key
       np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
+      np.testing.assert_array_equal(np.asarray(out_dense[2]), 0.0)
     assert metrics.cosine_similarity(out, out_dense) > 0.99999
+  # a 16-bit query gives its dtype back, and the same values to its precision
+  low = decode.decode_attention(q.astype(jnp.bfloat16), paged, lengths,
+                                page_indices=table, method=method)
+  assert low.dtype == jnp.bfloat16
+  assert float(jnp.abs(low.astype(jnp.float32) - out).max()) < 2e-2
+
+
+@pytest.mark.parametrize("d", [16, 32])
+def test_int8_decode_at_small_head_dims(d, poison_allocator):
+  """int8's QK dot at head dims 16 and 32: Triton's 8-bit dots need 32
+  channels, so 16 takes a float16 dot of the same integers (exact)."""
+  b, s, nk, n = 2, 1000, 2, 8
+  cache = decode.KVCache.create(b, 1024, nk, d, method="int8")
+  lengths = jnp.array([s, 517])
+  cache = jax.jit(decode.append)(cache, _normal(1, (b, s, nk, d), 2.0),
+                                 _normal(2, (b, s, nk, d)),
+                                 jnp.zeros(b, jnp.int32), lengths)
+  q = _normal(3, (b, 1, n, d))
+  ref = decode.decode_attention(q, cache, lengths, method="int8",
+                                implementation="reference")
+  poison_allocator(POISON)
+  out = decode.decode_attention(q, _garbage_past(cache, lengths), lengths,
+                                method="int8")
+  assert bool(jnp.isfinite(out).all())
+  assert float(jnp.abs(out - ref).max()) < KERNEL_ATOL["int8"]
