@@ -83,6 +83,9 @@ def launch(kernel, *args, out_shape, grid, num_warps: int = 4,
   args = tuple(np.float32(a) if isinstance(a, float) else a for a in args)
   if any(g == 0 for g in grid):
     raise ValueError(f"empty grid {grid}")
+  for target, compiled in _COMPILE_TARGETS:
+    compiled.append(_compile(kernel, args, shapes, target, num_warps,
+                             num_stages, enable_fp_fusion, constexprs))
   if common.has_gpu():
     outs = jax_triton().triton_call(
         *args, kernel=kernel, out_shape=shapes, grid=grid,
@@ -91,6 +94,58 @@ def launch(kernel, *args, out_shape, grid, num_warps: int = 4,
   else:
     outs = _interpret(kernel, args, shapes, grid, constexprs)
   return outs[0] if single else tuple(outs)
+
+
+_COMPILE_TARGETS: list = []   # (GPU target, compiled kernels), innermost last
+_TRITON_TYPES = {"int8": "i8", "uint8": "u8", "int16": "i16", "int32": "i32",
+                 "int64": "i64", "float16": "fp16", "bfloat16": "bf16",
+                 "float32": "fp32", "float8_e4m3fn": "fp8e4nv",
+                 "float8_e5m2": "fp8e5", "bool": "i1"}
+
+
+@contextlib.contextmanager
+def compiling_for(target):
+  """Within it, every :func:`launch` is also compiled by Triton for
+  ``target``, a ``triton.backends.compiler.GPUTarget`` such as
+  ``GPUTarget("cuda", 90, 32)``, with the argument types, knobs and
+  constexprs of the launch, and the kernels' callers pick a GPU's static
+  flags (:func:`common.interpret` is False): CI has no GPU, and the
+  interpreter runs code that a GPU's compiler refuses (Triton's 8-bit dots
+  need 32 channels, say).  For tracing (``jax.eval_shape``), not for
+  running: the interpreter cannot run the GPU's inline PTX.  Yields the
+  list of compiled kernels; a kernel that does not compile raises."""
+  compiled: list = []
+  _COMPILE_TARGETS.append((target, compiled))
+  common.GPU_FLAGS_WITHOUT_GPU.append(target)
+  try:
+    yield compiled
+  finally:   # (contexts nest: ours are the last)
+    _COMPILE_TARGETS.pop()
+    common.GPU_FLAGS_WITHOUT_GPU.pop()
+
+
+def _compile(kernel, args, shapes, target, num_warps, num_stages,
+             enable_fp_fusion, constexprs):
+  """``kernel`` compiled for ``target``: arrays (or tracers) as pointers
+  of their dtype, then the outputs' pointers, scalars as ``i32`` / ``i64``
+  / ``fp32``, the constexprs by name."""
+  from triton.compiler import ASTSource   # pylint: disable=import-outside-toplevel
+  types = []
+  for a in args:
+    if _is_array(a):
+      types.append("*" + _TRITON_TYPES[np.dtype(a.dtype).name])
+    elif isinstance(a, (float, np.floating)):
+      types.append("fp32")
+    else:
+      types.append("i32" if -2**31 <= int(a) < 2**31 else "i64")
+  types += ["*" + _TRITON_TYPES[np.dtype(s.dtype).name] for s in shapes]
+  names = kernel.arg_names
+  signature = {n: types[i] if i < len(types) else "constexpr"
+               for i, n in enumerate(names)}
+  return triton.compile(
+      ASTSource(kernel, signature, dict(constexprs)), target=target,
+      options=dict(num_warps=num_warps, num_stages=num_stages,
+                   enable_fp_fusion=enable_fp_fusion))
 
 
 _JAX_TRITON = []

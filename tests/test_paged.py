@@ -4,6 +4,7 @@ last pages, a pool that held garbage) store the same bits and give the same
 decode outputs, for every cache format; subsets of sequences, long
 prompts, the frozen key shift, the errors, the Flax module's paged mode and
 examples/serving.py (continuous batching)."""
+import functools
 import importlib.util
 import sys
 from pathlib import Path
@@ -344,6 +345,25 @@ def test_kernel_matches_reference(method, fmt):
     # tokens that see no key (the empty sequence, and row 1's first 20 of
     # 40: lengths - T + t < 0) are 0
     np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
+
+
+@pytest.mark.parametrize("method,fmt", FORMATS, ids=_ids)
+def test_kernel_compiles_for_hopper(method, fmt):
+  """The kernel as jax_triton would compile it for the H100 / H200 (sm_90)
+  at pages of 64 keys: one new token at head dims 16 and 128, 16 tokens at
+  128.  CI has no GPU, and the interpreter runs what the GPU's compiler
+  may refuse (an 8-bit dot of 16 channels did)."""
+  from triton.backends.compiler import GPUTarget
+  from pallas_kernels import triton_call
+  attend = jax.jit(functools.partial(decode.decode_attention, method=method,
+                                     implementation="triton"))
+  for d, t in ((16, 1), (128, 1), (128, 16)):
+    pool = decode.PagedKVCache.create(8, 64, NK, d, num_seqs=B,
+                                      method=method, **fmt)
+    with triton_call.compiling_for(GPUTarget("cuda", 90, 32)) as compiled:
+      jax.eval_shape(attend, jnp.zeros((B, t, N, d)), pool, jnp.full(B, 100),
+                     page_indices=jnp.zeros((B, 2), jnp.int32))
+    assert len(compiled) == 1 and compiled[0].asm["cubin"], (d, t)
 
 
 def test_under_jit_bad_pages_are_clipped_or_dropped():

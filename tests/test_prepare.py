@@ -552,7 +552,9 @@ def test_operands_take_at_most_two_launches(method, opts, launches,
   they are traced): a first that reads the tensors whose statistics the
   second needs (sage's key sums and V's sums and extrema beside the Q pass;
   the per-head amax), then the rest; one where no pass needs another's
-  statistic (per-block fp8, INT8's per-block V, the FMHA's static amax)."""
+  statistic (per-block fp8, INT8's per-block V, the FMHA's static amax).
+  Each launch, with a GPU's flags, compiles for sm_90 (H100, H200)."""
+  from triton.backends.compiler import GPUTarget
   grids = []
   launch = triton_call.launch
   monkeypatch.setattr(triton_call, "launch", lambda *a, **kw: grids.append(
@@ -566,8 +568,10 @@ def test_operands_take_at_most_two_launches(method, opts, launches,
     cfg = methods.get(method).config_cls.from_options(**opts)
     f = lambda *a: prepare.quantized_operands(method, *a, scale=0.1,
                                               config=cfg, v_key_order=True)
-  jax.eval_shape(f, q, k, v, lens)
+  with triton_call.compiling_for(GPUTarget("cuda", 90, 32)) as compiled:
+    jax.eval_shape(f, q, k, v, lens)
   assert len(grids) == launches, grids
+  assert len(compiled) == launches and all(c.asm["cubin"] for c in compiled)
 
 
 def test_one_launch_of_several_passes_equals_each_pass_alone():
