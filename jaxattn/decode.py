@@ -792,18 +792,15 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   cdt = compute_dtype(method, cache)
   scale = base.default_scale(d) if scale is None else float(scale)
   pasa = method == "pasa"
-  if pasa:
-    qc = (q.astype(f32) * scale).astype(jnp.float16)
-    factor = f32(LOG2E)
-  else:
-    qc = q.astype(cdt)
-    factor = f32(scale * LOG2E)
+  factor = f32(LOG2E if pasa else scale * LOG2E)
   if method in INT8_QUERY:   # (q8 K^T)_int32 * s_q: exact in float32
     q8, q_scale = int_flash.quantize_per_token(q)
     s = jnp.einsum("btkgd,bksd->bkgts", q8.reshape(b, t, nk, g, d),
                    cache.k, preferred_element_type=jnp.int32).astype(f32)
     s = s * q_scale.reshape(b, t, nk, g).transpose(0, 2, 3, 1)[..., None]
   else:
+    qc = ((q.astype(f32) * scale).astype(jnp.float16) if pasa
+          else q.astype(cdt))
     s = jnp.einsum("btkgd,bksd->bkgts", qc.reshape(b, t, nk, g, d),
                    cache.k.astype(cdt), preferred_element_type=f32,
                    precision=jax.lax.Precision.HIGHEST)
@@ -995,10 +992,10 @@ def _kernel(q, k, v, k_scale, v_scale, table, lengths, *, layout, page,
   (PASA's ``fl16(q * scale)``, then float16 scores; int8 per row for
   :data:`INT8_QUERY`) and the config's knobs."""
   pasa = method == "pasa"
-  qk = (q.astype(jnp.float32) * scale).astype(jnp.float16) if pasa else q
-  q_scale = None
-  if method in INT8_QUERY:   # (not PASA: its query is pre-scaled)
-    assert not pasa
+  qk, q_scale = q, None
+  if pasa:
+    qk = (q.astype(jnp.float32) * scale).astype(jnp.float16)
+  elif method in INT8_QUERY:
     qk, q_scale = int_flash.quantize_per_token(q)
   # (the kernel's wrapper computes its indices in 32 bits: traced with x64
   # off, as the API's kernels are)

@@ -19,8 +19,9 @@ work read every element right on the H200 (jax 0.11.2), and they save
 40-200 us of launches a call.  Only the schedule orders the readers after
 the wait (the barrier makes no buffer conflict): were a later XLA to
 capture the wait into one command buffer with its readers, the GPU test
-of ``jaxattn.torch``'s stream order would fail.  A wait launched as an executable of its own, before the
-call's, was measured slower on the host (74 us a call on the H200).
+of ``jaxattn.torch``'s stream order would fail.  A wait launched as an
+executable of its own, before the call's, was measured slower on the host
+(74 us a call on the H200).
 """
 from __future__ import annotations
 

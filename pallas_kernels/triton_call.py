@@ -129,7 +129,7 @@ def _compile(kernel, args, shapes, target, num_warps, num_stages,
   """``kernel`` compiled for ``target``: arrays (or tracers) as pointers
   of their dtype, then the outputs' pointers, scalars as ``i32`` / ``i64``
   / ``fp32``, the constexprs by name."""
-  from triton.compiler import ASTSource   # pylint: disable=import-outside-toplevel
+  from triton.compiler import ASTSource  # (only where this is used)
   types = []
   for a in args:
     if _is_array(a):

@@ -13,20 +13,13 @@ import jax
 import jax.numpy as jnp
 
 from jaxattn import decode, metrics
+# the interpret-mode tests' cache formats, bounds and garbage pool
+from test_paged import FORMATS, KERNEL_ATOL, _ids, _poison
 
 pytestmark = pytest.mark.gpu
 
 B, NK, N, D, PS = 3, 8, 32, 128, 64
 LENGTHS = (3001, 1234, 0)
-# the interpret-mode tests' bounds (tests/test_paged.py)
-KERNEL_ATOL = {"fp32": 8e-3, "pasa": 1e-3, "int8": 1e-3, "fp8": 1e-3,
-               "sage": 1e-3}
-FORMATS = [(m, dict(k_dtype=k, v_dtype=v) | (
-    {} if s is None else {"smooth_k": s}))
-    for m, fmts in decode.METHOD_CACHES.items() for k, v, s in fmts]
-_ids = [f"{m}-{o['k_dtype']}" for m, o in FORMATS]
-
-
 # floats: more than the kernel's (o, m, l) partials, [B, K, splits, rows, D]
 POISON = (B * NK * 64 * 32, D)
 
@@ -52,17 +45,6 @@ def _garbage_past(cache, lengths):
                         v_scale=fill(cache.v_scale), k_mean=cache.k_mean)
 
 
-def _poisoned(cache):
-  """Every page holds garbage (NaN, or -128 in int8), as pages freed by
-  other sequences may."""
-  bad = lambda x: None if x is None else jnp.full_like(
-      x, -128 if x.dtype == jnp.int8 else jnp.nan)
-  return decode.PagedKVCache(
-      k_pages=bad(cache.k_pages), v_pages=bad(cache.v_pages),
-      k_scale=bad(cache.k_scale), v_scale=bad(cache.v_scale),
-      k_mean=cache.k_mean)
-
-
 @pytest.mark.parametrize("method,fmt", FORMATS, ids=_ids)
 def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
   """After a prompt (rows of 3001, 1234 and 0 keys) one new token; after
@@ -79,7 +61,7 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
     table[b, :pages] = perm[at:at + pages]
     at += pages
   table = jnp.asarray(table)
-  paged = _poisoned(decode.PagedKVCache.create(pool, PS, NK, D, num_seqs=B,
+  paged = _poison(decode.PagedKVCache.create(pool, PS, NK, D, num_seqs=B,
                                                method=method, **fmt))
   dense = decode.KVCache.create(B, pps * PS, NK, D, method=method, **fmt)
   lengths = jnp.zeros(B, jnp.int32)
