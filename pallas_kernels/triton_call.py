@@ -127,7 +127,7 @@ def compiling_for(target):
 def _compile(kernel, args, shapes, target, num_warps, num_stages,
              enable_fp_fusion, constexprs):
   """``kernel`` compiled for ``target``: arrays (or tracers) as pointers
-  of their dtype, then the outputs' pointers, scalars as ``i32`` / ``i64``
+  of their dtype (16-byte aligned), then the outputs' pointers, scalars as ``i32`` / ``i64``
   / ``fp32``, the constexprs by name."""
   from triton.compiler import ASTSource  # (only where this is used)
   types = []
@@ -142,8 +142,12 @@ def _compile(kernel, args, shapes, target, num_warps, num_stages,
   names = kernel.arg_names
   signature = {n: types[i] if i < len(types) else "constexpr"
                for i, n in enumerate(names)}
+  # jax_triton specialises every array as 16-byte aligned: without it the
+  # loads would not vectorise, and the code would not be the GPU's
+  attrs = {(i,): [["tt.divisibility", 16]]
+           for i, t in enumerate(types) if t.startswith("*")}
   return triton.compile(
-      ASTSource(kernel, signature, dict(constexprs)), target=target,
+      ASTSource(kernel, signature, dict(constexprs), attrs), target=target,
       options=dict(num_warps=num_warps, num_stages=num_stages,
                    enable_fp_fusion=enable_fp_fusion))
 
