@@ -111,8 +111,16 @@ METHOD_CACHES: dict[str, tuple[tuple[str, str, bool | None], ...]] = {
     "sage": (("int8", "float8_e4m3fn", True),),
 }
 # methods whose query is quantized per row to int8 (their prefill's
-# quantizer) for an int8 QK dot
+# quantizer) for an int8 QK dot, at head dims of at least
+# INT8_QUERY_MIN_DIM: Triton's 8-bit dots need 32 channels, and below that
+# a float16 dot of the same integers was off by 1.16 on the H200 (int8 at
+# D=16, tests/test_gpu_decode.py), so smaller heads keep the float query.
 INT8_QUERY = ("int8",)
+INT8_QUERY_MIN_DIM = 32
+
+
+def _int8_query(method: str, head_dim: int) -> bool:
+  return method in INT8_QUERY and head_dim >= INT8_QUERY_MIN_DIM
 NO_DECODE = {
     "fp16_fp32": "its float16 score matrix is a prefill baseline of the PASA "
                  "paper; decode with method='pasa' (float16 scores without "
@@ -770,7 +778,8 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   the compute dtype (PASA: ``fl16(q * scale)``), scores ``(q_c K_c^T)_f32
   * k_scale * c`` in base 2 (PASA: rounded to float16 first; ``"int8"``:
   ``(q_8 K^T)_int32 * s_q * k_scale * c``, the query quantized per row by
-  :func:`jaxattn.int_flash.quantize_per_token`), the masks of
+  :func:`jaxattn.int_flash.quantize_per_token`, from 32 channels), the
+  masks of
   :func:`decode_attention`, a float32 softmax, ``P`` times V's per-token
   scale over the row's largest, rounded to the compute dtype, against V's
   stored values (exact in float16), float32 accumulation, times that
@@ -793,7 +802,7 @@ def reference(q, cache: "KVCache | PagedKVCache", lengths, *, method: str,
   scale = base.default_scale(d) if scale is None else float(scale)
   pasa = method == "pasa"
   factor = f32(LOG2E if pasa else scale * LOG2E)
-  if method in INT8_QUERY:   # (q8 K^T)_int32 * s_q: exact in float32
+  if _int8_query(method, d):   # (q8 K^T)_int32 * s_q: exact in float32
     q8, q_scale = int_flash.quantize_per_token(q)
     s = jnp.einsum("btkgd,bksd->bkgts", q8.reshape(b, t, nk, g, d),
                    cache.k, preferred_element_type=jnp.int32).astype(f32)
@@ -990,12 +999,13 @@ def _kernel(q, k, v, k_scale, v_scale, table, lengths, *, layout, page,
             method, scale, config, cdt):
   """:func:`pallas_kernels.paged.paged_attention` with the method's query
   (PASA's ``fl16(q * scale)``, then float16 scores; int8 per row for
-  :data:`INT8_QUERY`) and the config's knobs."""
+  :data:`INT8_QUERY` from :data:`INT8_QUERY_MIN_DIM` channels) and the
+  config's knobs."""
   pasa = method == "pasa"
   qk, q_scale = q, None
   if pasa:
     qk = (q.astype(jnp.float32) * scale).astype(jnp.float16)
-  elif method in INT8_QUERY:
+  elif _int8_query(method, q.shape[-1]):
     qk, q_scale = int_flash.quantize_per_token(q)
   # (the kernel's wrapper computes its indices in 32 bits: traced with x64
   # off, as the API's kernels are)

@@ -167,14 +167,8 @@ def _kernel(q_ptr, qs_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, table_ptr, len_ptr,
     # the length are masked below; V's are zero-filled, since 0 * NaN in
     # a slot nobody wrote would reach the output)
     k = tl.load(k_ptr + kv_off)
-    if Q_INT8:
-      if HEAD_DIM >= 32:   # an int8 dot on the stored K: no conversion
-        s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
-      else:   # (Triton's 8-bit dots need 32 channels; the int8 products
-        # and their float32 sums are exact in a float16 dot all the same)
-        s = tl.dot(q.to(tl.float16),
-                   tl.trans(_to_compute(k, K_INT8, BF16, ASM)),
-                   out_dtype=tl.float32)
+    if Q_INT8:   # an int8 dot on the stored K: no conversion
+      s = tl.dot(q, tl.trans(k), out_dtype=tl.int32).to(tl.float32)
       s = s * q_scale[:, None]
     else:
       s = tl.dot(q, tl.trans(_to_compute(k, K_INT8, BF16, ASM)),
@@ -346,6 +340,8 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
     raise ValueError(f"an int8 q needs q_scale and an int8 k, got q "
                      f"{q.dtype}, k {k.dtype}, q_scale "
                      f"{'given' if q_int8 else None}")
+  if q_int8 and d < 32:   # (Triton's 8-bit dots need 32 channels)
+    raise ValueError(f"an int8 q needs a head dim of at least 32, got {d}")
   if q_int8 and tuple(q_scale.shape) != (b, t, n):
     raise ValueError(f"q_scale must be [B, T, N] = {(b, t, n)}, got "
                      f"{tuple(q_scale.shape)}")

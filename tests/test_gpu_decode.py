@@ -92,17 +92,25 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
       np.testing.assert_array_equal(np.asarray(out[2]), 0.0)
       np.testing.assert_array_equal(np.asarray(out_dense[2]), 0.0)
     assert metrics.cosine_similarity(out, out_dense) > 0.99999
-  # a 16-bit query gives its dtype back, and the same values to its precision
-  low = decode.decode_attention(q.astype(jnp.bfloat16), paged, lengths,
-                                page_indices=table, method=method)
+  # a 16-bit query gives its dtype back, and the reference's values on the
+  # same query to that dtype's rounding (int8 quantizes the bfloat16 query
+  # to other integers than the float32 one: 0.022 apart on the H200)
+  q16 = q.astype(jnp.bfloat16)
+  low = decode.decode_attention(q16, paged, lengths, page_indices=table,
+                                method=method)
+  ref16 = decode.decode_attention(q16, paged, lengths, page_indices=table,
+                                  method=method, implementation="reference")
   assert low.dtype == jnp.bfloat16
-  assert float(jnp.abs(low.astype(jnp.float32) - out).max()) < 2e-2
+  rounding = 2.0 ** -8 * float(jnp.abs(ref16.astype(jnp.float32)).max())
+  assert float(jnp.abs(low.astype(jnp.float32)
+                       - ref16.astype(jnp.float32)).max()) < (
+                           KERNEL_ATOL[method] + rounding)
 
 
 @pytest.mark.parametrize("d", [16, 32])
 def test_int8_decode_at_small_head_dims(d, poison_allocator):
-  """int8's QK dot at head dims 16 and 32: Triton's 8-bit dots need 32
-  channels, so 16 takes a float16 dot of the same integers (exact)."""
+  """int8 at head dims 16 and 32: the int8 query's QK dot from 32
+  channels (Triton's 8-bit dots need 32), the float query below."""
   b, s, nk, n = 2, 1000, 2, 8
   cache = decode.KVCache.create(b, 1024, nk, d, method="int8")
   lengths = jnp.array([s, 517])

@@ -479,3 +479,27 @@ def test_serving_example(capsys):
   assert a.allocate(4) is None and a.allocate(2) == [0, 1]
   a.free([1])
   assert a.num_free == 2 and a.allocate(2) == [2, 1]
+
+
+def test_int8_query_needs_32_channels():
+  """An int8 query's QK dot is Triton's 8-bit dot, which needs 32 channels:
+  the kernel refuses fewer, and decode keeps the float query there (the
+  kernel matches the reference at 16 channels)."""
+  from pallas_kernels import paged
+  cache = decode.KVCache.create(2, 64, 1, 16, method="int8")
+  cache = decode.append(cache, _normal(1, (2, 40, 1, 16), 2.0),
+                        _normal(2, (2, 40, 1, 16)), jnp.zeros(2, jnp.int32),
+                        jnp.array([40, 17]))
+  q8 = jnp.ones((2, 1, 2, 16), jnp.int8)
+  with pytest.raises(ValueError, match="head dim of at least 32, got 16"):
+    paged.paged_attention(
+        q8, cache.k, cache.v, paged.dense_table(2, 1, 64, 16),
+        jnp.array([40, 17]), cache.k_scale, cache.v_scale,
+        q_scale=jnp.ones((2, 1, 2)), layout="dense", page=16, scale=0.25,
+        compute_dtype=jnp.float16)
+  q = _normal(3, (2, 1, 2, 16))
+  lengths = jnp.array([40, 17])
+  ref = decode.decode_attention(q, cache, lengths, method="int8",
+                                implementation="reference")
+  out = decode.decode_attention(q, cache, lengths, method="int8")
+  assert float(jnp.abs(out - ref).max()) < KERNEL_ATOL["int8"]
