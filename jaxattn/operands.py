@@ -5,9 +5,9 @@ same quantizers for every backend.
 "int8", "fp8") with the references' arithmetic, bit for bit given the
 same means, and lays them out the way the kernels take them
 (:class:`QuantizedOperands`).  The Triton passes of
-:mod:`pallas_kernels.quantizers` make them in two launches
-(:func:`fused_operands`; :func:`fused_qk` for Q and K alone): the first
-reads the tensors whose statistics the second needs (sage's key sums and
+:mod:`pallas_kernels.quantizers` make them in two phases, a launch per
+kind of pass in each (:func:`fused_operands`; :func:`fused_qk` for Q and
+K alone): the first reads the tensors whose statistics the second needs (sage's key sums and
 V's sums, max and min, beside the Q pass with its query-block means;
 INT8's and fp8's per-head amax) and the second quantizes the rest: each
 input read once for its values, Q with per-row scales (``scale * log2
@@ -322,7 +322,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   """The 8-bit (or int4-valued) Q and K of ``method`` by the Triton passes
   of :mod:`pallas_kernels.quantizers` (:func:`fused_operands` without V):
   each read once for its values, K after its mean (the column sums of a
-  first launch that also runs the Q pass), Q subtracting each query
+  first phase that also runs the Q pass), Q subtracting each query
   block's mean as the pass reads the block (SageAttention2's smoothing),
   the SageAttention2 bias from the same key tiles.
 
@@ -332,7 +332,7 @@ def fused_qk(method: str, q, k, kv_lens, *, scale: float,
   XLA's in the last bits (summation order; equal on the CPU for the query
   means); ``q_block_bias`` (``c q_m K_smoothed^T``, ``c = scale log2 e``
   folded into ``q_m``) to float32 accumulation order.  fp8's per-head
-  ("tensor") scales come from a first launch's amax.  None where a
+  ("tensor") scales come from a first phase's amax.  None where a
   granularity does not fit the kernel (sage's "tensor", groups that are
   not powers of two up to 128): the XLA quantizers then.
 
@@ -351,12 +351,13 @@ def fused_operands(method: str, q, k, v, kv_lens, *, scale: float, config,
                    v_key_order: bool = False, segments=None) -> dict | None:
   """:func:`fused_qk` and, with ``v``, V's 8-bit operand ``[B, K, D, S]``
   (keys in the Mosaic kernel's register-operand order with
-  ``v_key_order``), in two launches of :func:`quantizers.run_passes`: the
-  passes that need a whole-sequence statistic run in the second launch,
-  after the launch that computes it from the tensor it reads anyway.
+  ``v_key_order``), in two phases of :func:`quantizers.run_passes` (each a
+  launch per kind of pass): the passes that need a whole-sequence
+  statistic run in the second, after the first has computed it from the
+  tensor it reads anyway.
 
   ======  ==========================================  ====================
-  method  launch 1                                    launch 2
+  method  phase 1                                     phase 2
   ======  ==========================================  ====================
   sage    K's column sums, V's sums/max/min, the Q    K (the mean, the
           pass with its query-block means             bias), V (fp8 PV)
@@ -497,7 +498,7 @@ def fused_operands(method: str, q, k, v, kv_lens, *, scale: float, config,
     return None
   bits = config.bits
   fp8_v = v is not None and config.pv_dtype == "fp8"
-  # Launch 1: the key mean's sums, V's sums and extrema, and the Q pass
+  # Phase 1: the key mean's sums, V's sums and extrema, and the Q pass
   # with its query-block means (from the tiles it reads anyway).
   q_pass = rows(q, q_lens, group=q_group, dtype=i8, bits=bits,
                 shift="tile_mean" if config.smooth_q else None,
@@ -527,7 +528,7 @@ def fused_operands(method: str, q, k, v, kv_lens, *, scale: float, config,
     nqb, g = q_mean.shape[1], n // nk  # [B, K, g * nqb, D]: a group's heads
     bias_q = (q_mean * sage.log2_scale(scale)).reshape(
         b, nqb, nk, g, d).transpose(0, 2, 3, 1, 4).reshape(b, nk, g * nqb, d)
-  # Launch 2: K shifted by its mean, with the bias; V.
+  # Phase 2: K shifted by its mean, with the bias; V.
   if k_first:
     rv = quantizers.run_passes(v_pass)[0] if v_pass else None
   else:
@@ -643,7 +644,7 @@ def quantized_operands(method: str, q, k, v, kv_lens, *, scale: float,
     scales bit for bit given the same means (sage's key and query-block
     means and V mean are the kernels' float32 sums, which may differ from
     XLA's in the last bits; SageAttention2's bias to float32 accumulation
-    order).  The Triton passes make them in two launches
+    order).  The Triton passes make them in two phases
     (:func:`fused_operands`); sage's "tensor" granularity (and groups the
     passes do not take) keeps the XLA quantizers.
   """
@@ -860,10 +861,10 @@ def pasa_operands(k, v, kv_lens, *, scale: float, config,
 def fmha_operands(q, k, v, kv_lens, *, scale: float, config, block_k: int,
                   v_key_order: bool = False):
   """The 8-bit FMHA's operands: :func:`jaxattn.fmha.fmha_quantize`'s values
-  bit for bit, in two launches of the Triton passes
+  bit for bit, in two phases of the Triton passes
   (:func:`quantizers.run_passes`): the amax of the finite values of each
   tensor (keys below the length; none for a static amax, and no first
-  launch where all three are static), then one quantizing pass each with
+  phase where all three are static), then one quantizing pass each with
   the given scale, which flag the rows that hold a NaN/Inf and quantize
   them as 0; the V pass also sums each ``block_k``-key block's int8
   columns.

@@ -22,10 +22,11 @@ constexpr spec (a namedtuple):
   the Mosaic kernel's register-operand order and the int8 column sums of
   each key block.
 
-:func:`run_passes` runs up to three passes in one launch: its programs take
-their roles by program id (the first pass's programs first), so that a
-method's operands take two launches (``jaxattn.operands``): the passes that
-need a whole-sequence statistic run after the launch that computes it.
+:func:`run_passes` runs up to three passes, those of one kind and warp
+count in one launch, whose programs take their roles by program id (the
+first pass's programs first): a method's operands take two phases
+(``jaxattn.operands``), and the passes that need a whole-sequence
+statistic run in the second, after the first has computed it.
 
 Rounding is exact: a correctly rounded reciprocal (``div.rn``), products
 rounded once (the launch disables FMA contraction), round half to even by
@@ -79,28 +80,32 @@ def key_order(n):
 # pass with the query-block means shifts, scales and stores at a time after
 # it has summed the tile (it reads them again, from L2); the whole tile at
 # once keeps it in registers.  V: (keys per tile, warps) per dtype.
-# (The values measured for the Pallas passes these replace, 023694b,
-# 3dd41f5; scratch/gpu_quantizers.py times the alternatives.)
+# (Measured on the H200 at 4x2048x32x128 against 16-128 rows or keys and
+# 2-16 warps: each pass alone, its bytes over its GPU time.)
 # In the interpreter every program is one more step of a loop, so there the
 # defaults are the large tiles (the same bits:
 # tests/test_prepare.py::test_quantizer_tiles_do_not_change_the_bits).
 ROWS_TILE = 32
-CHUNK_ROWS = 64
+CHUNK_ROWS = 32
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
 INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys per tile, warps)
-# Warps of the rows pass: 4, or 8 for tiles of more than 64 x 128 and the
-# key pass with the bias (at 4 a 128 x 128 float32 tile takes all 255
-# registers; scratch/check_quantizers.py).
+# Warps of the rows pass: 4, or 8 where a step holds more than 64 x 128
+# values (its chunk of rows) and for the key pass with the bias (at 4 a
+# 128 x 128 float32 tile takes all 255 registers).  The query-block means'
+# pass in 32-row chunks on 4 warps: 66.0 -> 57.9 us at 4x2048x32x128 (H200,
+# against 64 rows on 8).
 ROWS_WARPS = 4
 LARGE_TILE_WARPS = 8
 # Query means per product of the key pass's bias: 16 (mma.sync) keeps the
-# key pass with the V pass of sage's second launch at 128 registers on 8
-# warps, two CTAs an SM (64, wgmma: 162 registers, one CTA; Triton 3.6,
-# scratch/check_quantizers.py; the GPU's time: scratch/gpu_quantizers.py).
+# key pass at 128 registers on 8 warps, two CTAs an SM (64, wgmma: 162
+# registers, one CTA; Triton 3.6); 32 took 71 -> 108 us at 4x2048x32x128
+# (H200).
 BIAS_CHUNK = 16
 # (most splits of the keys per head, rows per step, warps) of the
-# statistics pass; the interpreter steps 128 rows at a time.
-COLUMN_STATS_TILES = (8, 32, 4)
+# statistics pass (16 rows against 32: the amax 19.6 -> 18.7 us, sums and
+# extrema unchanged, at 4x2048x32x128 on the H200; more splits or 8 warps
+# were slower); the interpreter steps 128 rows at a time.
+COLUMN_STATS_TILES = (8, 16, 4)
 INTERPRET_STATS_CHUNK = 128
 
 # The passes' kinds (a spec's ``kind``).
@@ -614,15 +619,36 @@ class Pass:
 
 
 def run_passes(*passes, num_warps: int | None = None, num_stages: int = 2):
-  """Runs ``passes`` (up to three besides None entries) in one launch of
-  :func:`_passes_kernel`; returns each pass's results, in a list aligned
-  with ``passes`` (None for a None entry).  ``num_warps``: by default the
-  most any pass asks for."""
+  """Runs ``passes`` (up to three besides None entries), none of which
+  reads another's results; returns each pass's results, in a list aligned
+  with ``passes`` (None for a None entry).
+
+  Passes of one kind (rows, V, statistics) and warp count share a launch
+  of :func:`_passes_kernel`; other kinds take launches of their own.  A
+  launch's kernel has the most registers and warps of all its roles, so a
+  V pass (173 registers at 128 keys on 4 warps) beside the rows passes
+  (56) ran them at its occupancy: fp8's quantizing launch took 120 us,
+  its three passes alone 94.  The operands' kernels, all passes in one
+  launch against a launch per kind (4x2048x32x128, H200): sage 301 ->
+  271 us, fp8 176 -> 147, the FMHA 248 -> 190, int8 123 -> 126 (its
+  whole call 456 -> 454 us).  ``num_warps`` overrides the passes' own."""
   given = passes
   passes = [p for p in passes if p is not None]
   if not 1 <= len(passes) <= 3:
-    raise ValueError(f"one launch runs one to three passes, got "
+    raise ValueError(f"run_passes runs one to three passes, got "
                      f"{len(passes)}")
+  launches: dict = {}
+  for p in passes:
+    launches.setdefault((p.spec.kind, num_warps or p.warps), []).append(p)
+  results = {}
+  for group in launches.values():
+    for p, r in zip(group, _launch(group, num_warps, num_stages)):
+      results[id(p)] = r
+  return [None if p is None else results[id(p)] for p in given]
+
+
+def _launch(passes, num_warps, num_stages):
+  """``passes`` in one launch of :func:`_passes_kernel`: their results."""
   dummy = jnp.zeros((1,), jnp.float32)
   dummy_out = jax.ShapeDtypeStruct((1,), jnp.float32)
   slots = passes + [None] * (3 - len(passes))
@@ -639,9 +665,7 @@ def run_passes(*passes, num_warps: int | None = None, num_stages: int = 2):
       grid=(sum(s.programs for s in specs),),
       num_warps=num_warps or max(p.warps for p in passes),
       num_stages=num_stages, P0=specs[0], P1=specs[1], P2=specs[2])
-  results = iter([p.finish(*outs[4 * i:4 * i + 4])
-                  for i, p in enumerate(passes)])
-  return [None if p is None else next(results) for p in given]
+  return [p.finish(*outs[4 * i:4 * i + 4]) for i, p in enumerate(passes)]
 
 
 # ----------------------------------------------------------------------------
@@ -767,7 +791,7 @@ def rows_pass(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
                jax.ShapeDtypeStruct((b, n_rows, h), jnp.bool_)
                if flag_nonfinite else None),
       warps=num_warps or (LARGE_TILE_WARPS
-                          if r or block * _dim_block(d) > 64 * 128
+                          if r or chunk * _dim_block(d) > 64 * 128
                           else ROWS_WARPS),
       finish=finish)
 

@@ -519,6 +519,18 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
                                 np.where(visible, xf, -np.inf).max(1))
   np.testing.assert_array_equal(np.asarray(lo),
                                 np.where(visible, xf, np.inf).min(1))
+  # the GPU's step of rows (the interpreter's is larger): the same extrema
+  # and amax, the sum to its order
+  gpu_chunk = quantizers.COLUMN_STATS_TILES[1]
+  for mode in (quantizers.STATS_EXTREMA, quantizers.STATS_AMAX):
+    got, ref = (quantizers.run_passes(quantizers.stats_pass(
+        x, lens, mode=mode, chunk=c))[0] for c in (gpu_chunk, None))
+    for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(ref)):
+      if mode == quantizers.STATS_EXTREMA and g is jax.tree.leaves(got)[0]:
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6,
+                                   atol=1e-6 * float(jnp.abs(r).max()))
+      else:
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(r))
   assert quantizers.column_stats(x, lens, extrema=False)[1] is None
   assert not quantizers.column_stats_fits(250, 96)
   assert not quantizers.column_stats_fits(256, 96)
@@ -541,19 +553,21 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
 
 
 @pytest.mark.parametrize("method,opts,launches", [
-    ("sage", dict(preset="sage2-8b"), 2), ("sage", dict(preset="sage1"), 2),
-    ("int8", dict(), 2), ("int8", dict(v_granularity="block"), 1),
-    ("fp8", dict(), 2), ("fp8", dict(granularity="block"), 1),
-    ("fmha", dict(), 2), ("fmha", dict(amax={"q": 1.0, "k": 2.0, "v": 3.0}),
-                          1)], ids=str)
-def test_operands_take_at_most_two_launches(method, opts, launches,
-                                            monkeypatch):
-  """The operands come from two launches of the Triton passes (counted as
-  they are traced): a first that reads the tensors whose statistics the
-  second needs (sage's key sums and V's sums and extrema beside the Q pass;
-  the per-head amax), then the rest; one where no pass needs another's
-  statistic (per-block fp8, INT8's per-block V, the FMHA's static amax).
-  Each launch, with a GPU's flags, compiles for sm_90 (H100, H200)."""
+    ("sage", dict(preset="sage2-8b"), 2 + 2), ("sage", dict(preset="sage1"),
+                                               2 + 1),
+    ("int8", dict(), 2 + 1), ("int8", dict(v_granularity="block"), 2),
+    ("fp8", dict(), 1 + 2), ("fp8", dict(granularity="block"), 2),
+    ("fmha", dict(), 1 + 2), ("fmha", dict(amax={"q": 1.0, "k": 2.0, "v": 3.0}),
+                              2)], ids=str)
+def test_operands_take_one_launch_per_kind_of_pass(method, opts, launches,
+                                                   monkeypatch):
+  """The operands come from the Triton passes in two phases, each a launch
+  per kind of pass (rows, V, statistics), counted as they are traced: a
+  first that reads the tensors whose statistics the second needs (sage's
+  key sums and V's sums and extrema, beside the Q pass; the per-head
+  amax), then the rest; one phase where no pass needs another's statistic
+  (per-block fp8, INT8's per-block V, the FMHA's static amax).  Each
+  launch, with a GPU's flags, compiles for sm_90 (H100, H200)."""
   from triton.backends.compiler import GPUTarget
   grids = []
   launch = triton_call.launch
@@ -576,9 +590,10 @@ def test_operands_take_at_most_two_launches(method, opts, launches,
 
 def test_one_launch_of_several_passes_equals_each_pass_alone():
   """:func:`quantizers.run_passes`: passes sharing a launch (programs take
-  their roles by program id) give the bits each gives alone: the column
-  sums, V's extrema and the Q pass with its tile means (sage's first
-  launch), the K pass with the bias and the V pass (its second)."""
+  their roles by program id: here the column sums and V's extrema) and
+  passes of other kinds beside them give the bits each gives alone: the
+  Q pass with its tile means (sage's first phase), the K pass with the
+  bias and the V pass (its second)."""
   q, k, v, lens = _inputs(2, t=100, s=90, n=2, kh=1)
   q_lens = jnp.full((2,), 100, jnp.int32)
   qm = jax.random.normal(jax.random.key(3), (2, 1, 16, 64), jnp.float32)
