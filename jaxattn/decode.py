@@ -45,7 +45,8 @@ method     cache (:data:`METHOD_CACHES`, default first)  kernel arithmetic
                                                        dtype, float32 softmax
 "pasa"     float16 K (shifted by k_mean) and V         float16 scores
 "int8"     int8 K (smoothed) and int8 V                int8 QK (the query
-                                                       per row), float16 PV
+                                                       per row, D >= 32),
+                                                       float16 PV
 "fp8"      e4m3 K (smoothed) and e4m3 V                dots in float16
 "sage"     int8 K (smoothed) and e4m3 V                dots in float16
 =========  ==========================================  =====================
@@ -69,9 +70,10 @@ attends with the same arithmetic (:func:`paged_to_dense` gathers it).
 
 ``"fp16_fp32"``, ``"fp16"`` and ``"fmha_int8"`` have no decode path
 (NotImplementedError says why).  ``"int8"`` quantizes the query per row
-as its prefill does (INT-FlashAttention's ``S_Q``), so QK is an int8 dot on
-the stored keys: 6-12% faster than converting K (H200, B=8 and 32, 32k
-keys, dense and paged), at cosine 0.99998 to the float16 query's output.
+as its prefill does (INT-FlashAttention's ``S_Q``; head dims of 32 or
+more), so QK is an int8 dot on the stored keys: 6-12% faster than
+converting K (H200, B=8 and 32, 32k keys, dense and paged), at cosine
+0.99998 to the float16 query's output.
 Elsewhere the query stays in the compute dtype.  Other 8-bit values are
 exact in float16, so the kernel converts them in registers (K for the
 other methods' QK, V for every PV dot); the key scale multiplies the score
@@ -112,15 +114,11 @@ METHOD_CACHES: dict[str, tuple[tuple[str, str, bool | None], ...]] = {
 }
 # methods whose query is quantized per row to int8 (their prefill's
 # quantizer) for an int8 QK dot, at head dims of at least
-# INT8_QUERY_MIN_DIM: Triton's 8-bit dots need 32 channels, and below that
-# a float16 dot of the same integers was off by 1.16 on the H200 (int8 at
-# D=16, tests/test_gpu_decode.py), so smaller heads keep the float query.
+# INT8_QUERY_MIN_DIM: Triton's 8-bit dots need 32 channels, and the int8
+# query's float16 dot below that was 1.16 off the reference on the H200
+# (D=16), so smaller heads keep the float query.
 INT8_QUERY = ("int8",)
-INT8_QUERY_MIN_DIM = 32
-
-
-def _int8_query(method: str, head_dim: int) -> bool:
-  return method in INT8_QUERY and head_dim >= INT8_QUERY_MIN_DIM
+INT8_QUERY_MIN_DIM = paged.INT8_Q_MIN_DIM
 NO_DECODE = {
     "fp16_fp32": "its float16 score matrix is a prefill baseline of the PASA "
                  "paper; decode with method='pasa' (float16 scores without "
@@ -130,6 +128,12 @@ NO_DECODE = {
     "fmha_int8": "its static per-tensor scales and uint8 P belong to a "
                  "prefill FMHA; decode with method='int8' (an int8 cache)",
 }
+
+
+def _int8_query(method: str, head_dim: int) -> bool:
+  """Whether ``method``'s decode quantizes a query of ``head_dim``
+  channels to int8 (:data:`INT8_QUERY`)."""
+  return method in INT8_QUERY and head_dim >= INT8_QUERY_MIN_DIM
 
 
 def _dtype_name(dtype) -> str:

@@ -6,9 +6,10 @@ same quantizers for every backend.
 same means, and lays them out the way the kernels take them
 (:class:`QuantizedOperands`).  The Triton passes of
 :mod:`pallas_kernels.quantizers` make them in two phases, a launch per
-kind of pass in each (:func:`fused_operands`; :func:`fused_qk` for Q and
-K alone): the first reads the tensors whose statistics the second needs (sage's key sums and
-V's sums, max and min, beside the Q pass with its query-block means;
+kind of pass and warp count in each (:func:`fused_operands`;
+:func:`fused_qk` for Q and K alone): the first reads the tensors whose
+statistics the second needs (sage's key sums and V's sums, max and min,
+beside the Q pass with its query-block means;
 INT8's and fp8's per-head amax) and the second quantizes the rest: each
 input read once for its values, Q with per-row scales (``scale * log2
 e``, the softmax in base 2, folded in after), K with per-key scales and
@@ -406,7 +407,7 @@ def fused_operands(method: str, q, k, v, kv_lens, *, scale: float, config,
     v_int8 = v is not None and config.pv_dtype != "fp16"
     block_v = v_int8 and config.v_granularity == "block"
     if block_v and _fits_key_groups(config.block_k):
-      # one launch: V scales each block of keys itself
+      # one phase: V scales each block of keys itself
       rq, rk, rv = quantizers.run_passes(
           q_pass, k_pass, quantizers.v_pass(v, kv_lens, dtype=i8,
                                             group=config.block_k, **v_kw))
@@ -574,7 +575,7 @@ def sage_v_stats(v, kv_lens, config, *, kernel: bool = False) -> dict:
   sum, max and min come from the Triton statistics pass, which sums in
   another order than XLA: the mean may differ from the XLA pass's in its
   last bits, and the scale with it.  (:func:`quantized_operands` takes
-  them from the same pass at every shape, in the launch that quantizes
+  them from the same pass at every shape, in the phase that quantizes
   Q: :func:`fused_operands`.)"""
   f32 = jnp.float32
   b, s, nk, d = v.shape

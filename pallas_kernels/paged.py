@@ -62,6 +62,7 @@ DEFAULT_TILES = {(1, False): (64, 2, 5, 8), (1, True): (64, 4, 4, 4),
 MIN_KEYS_PER_SPLIT = 256
 MAX_SPLITS = 128
 CACHE_DTYPES = ("int8", "float8_e4m3fn", "float16", "bfloat16")
+INT8_Q_MIN_DIM = 32   # an int8 query's QK is Triton's 8-bit dot
 
 
 # int8 -> float16, four at a time: x ^ 0x80 is x + 128 as a byte; written
@@ -311,7 +312,8 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
     k_scale, v_scale: float32 per-token scales shaped like ``k`` without
       ``D``, or None.
     q_scale: float32 ``[B, T, N]``, the row scales of an int8 ``q`` (an
-      int8 ``k`` only): the scores are ``(q k^T)_int32 * q_scale``.
+      int8 ``k`` only, ``D >= 32``): the scores are ``(q k^T)_int32 *
+      q_scale``.
     compute_dtype: float16 or bfloat16, the dots' operand dtype (but an
       int8 ``q``'s QK dot, which is int8).
   Returns:
@@ -340,8 +342,9 @@ def paged_attention(q, k, v, table, lengths, k_scale=None, v_scale=None, *,
     raise ValueError(f"an int8 q needs q_scale and an int8 k, got q "
                      f"{q.dtype}, k {k.dtype}, q_scale "
                      f"{'given' if q_int8 else None}")
-  if q_int8 and d < 32:   # (Triton's 8-bit dots need 32 channels)
-    raise ValueError(f"an int8 q needs a head dim of at least 32, got {d}")
+  if q_int8 and d < INT8_Q_MIN_DIM:
+    raise ValueError(f"an int8 q needs a head dim of at least "
+                     f"{INT8_Q_MIN_DIM}, got {d}")
   if q_int8 and tuple(q_scale.shape) != (b, t, n):
     raise ValueError(f"q_scale must be [B, T, N] = {(b, t, n)}, got "
                      f"{tuple(q_scale.shape)}")

@@ -127,8 +127,9 @@ def compiling_for(target):
 def _compile(kernel, args, shapes, target, num_warps, num_stages,
              enable_fp_fusion, constexprs):
   """``kernel`` compiled for ``target``: arrays (or tracers) as pointers
-  of their dtype (16-byte aligned), then the outputs' pointers, scalars as ``i32`` / ``i64``
-  / ``fp32``, the constexprs by name."""
+  of their dtype (16-byte aligned), then the outputs' pointers, scalars
+  as ``i32`` / ``i64`` / ``fp32``, the constexprs by name.  (jax_triton
+  also makes a scalar equal to 1 a constant; this does not.)"""
   from triton.compiler import ASTSource  # (only where this is used)
   types = []
   for a in args:

@@ -93,7 +93,7 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
       np.testing.assert_array_equal(np.asarray(out_dense[2]), 0.0)
     assert metrics.cosine_similarity(out, out_dense) > 0.99999
   # a 16-bit query gives its dtype back, and the reference's values on the
-  # same query to that dtype's rounding (int8 quantizes the bfloat16 query
+  # same query to that dtype's rounding, twice (int8 quantizes the bf16 query
   # to other integers than the float32 one: 0.022 apart on the H200)
   q16 = q.astype(jnp.bfloat16)
   low = decode.decode_attention(q16, paged, lengths, page_indices=table,
@@ -101,7 +101,7 @@ def test_decode_kernel_matches_reference(method, fmt, poison_allocator):
   ref16 = decode.decode_attention(q16, paged, lengths, page_indices=table,
                                   method=method, implementation="reference")
   assert low.dtype == jnp.bfloat16
-  rounding = 2.0 ** -8 * float(jnp.abs(ref16.astype(jnp.float32)).max())
+  rounding = 2.0 ** -7 * float(jnp.abs(ref16.astype(jnp.float32)).max())
   assert float(jnp.abs(low.astype(jnp.float32)
                        - ref16.astype(jnp.float32)).max()) < (
                            KERNEL_ATOL[method] + rounding)

@@ -6,6 +6,7 @@ padding, GQA and lengths that are not multiples of the groups.  The means
 that the passes sum themselves (sage's key mean, query-block means and V
 mean) are compared to float32 summation order."""
 import contextlib
+import functools
 import os
 import sys
 from unittest import mock
@@ -133,7 +134,7 @@ def test_kernel_inputs_v_equals_reference_transposed(method, opts):
       "fp8": lambda *a: fp8.fp8_quantize(*a, config=cfg)}[method])(
           q, k, v, lens)
   if method == "sage":
-    # V's statistics are the first launch's (its mean a float32 sum: to
+    # V's statistics are the first phase's (its mean a float32 sum: to
     # summation order against the reference's); given them, the XLA
     # quantizer's V (sage_inputs, the reference's bit for bit) is V
     stats = jax.jit(lambda *a: prepare.fused_operands(
@@ -235,7 +236,7 @@ def test_fused_qk_equals_xla_quantizers(method, opts, shape):
   fused = jax.jit(lambda *a: prepare.fused_qk(
       method, *a, scale=0.125, config=cfg))(q, k, lens)
   if method == "sage":
-    # the key mean is the first launch's column sums: to summation order
+    # the key mean is the first phase's column sums: to summation order
     # against XLA's; the XLA quantizers given it, bit for bit
     _assert_to_summation_order(
         fused["k_mean"], prepare._key_mean(k, lens) if cfg.smooth_k
@@ -534,7 +535,7 @@ def test_column_stats_sum_max_min_over_visible_finite_keys():
   assert quantizers.column_stats(x, lens, extrema=False)[1] is None
   assert not quantizers.column_stats_fits(250, 96)
   assert not quantizers.column_stats_fits(256, 96)
-  assert not quantizers.column_stats_fits(32 * 11, 64)   # one range only
+  assert not quantizers.column_stats_fits(32 * 11, 64)   # 2 of 8 ranges
   assert quantizers.column_stats_fits(256, 64)
   cfg = sage.SageConfig.from_options(preset="sage2-8b")
   for v in (x[..., :64].at[:, 250:].set(0.0), x):      # 256 keys / as is
@@ -588,31 +589,47 @@ def test_operands_take_one_launch_per_kind_of_pass(method, opts, launches,
   assert len(compiled) == launches and all(c.asm["cubin"] for c in compiled)
 
 
-def test_one_launch_of_several_passes_equals_each_pass_alone():
-  """:func:`quantizers.run_passes`: passes sharing a launch (programs take
-  their roles by program id: here the column sums and V's extrema) and
-  passes of other kinds beside them give the bits each gives alone: the
-  Q pass with its tile means (sage's first phase), the K pass with the
-  bias and the V pass (its second)."""
+def test_run_passes_shares_launches_by_kind_and_warps(monkeypatch):
+  """:func:`quantizers.run_passes`: passes of one kind and warp count share
+  a launch (programs take their roles by program id), other passes take
+  launches of their own, and each gives the bits it gives alone, in the
+  order given (None entries kept): sage's first phase (the column sums and
+  V's extrema in one launch, the Q pass with its tile means), INT8's rows
+  passes beside a V pass, and rows passes of 4 and 8 warps around a
+  statistics pass."""
   q, k, v, lens = _inputs(2, t=100, s=90, n=2, kh=1)
   q_lens = jnp.full((2,), 100, jnp.int32)
-  qm = jax.random.normal(jax.random.key(3), (2, 1, 16, 64), jnp.float32)
-  first = lambda: (
-      quantizers.stats_pass(k, lens, mode=quantizers.STATS_SUM),
-      quantizers.stats_pass(v, lens, mode=quantizers.STATS_EXTREMA),
-      quantizers.rows_pass(q, q_lens, group=32, dtype=jnp.int8, block=64,
-                           shift="tile_mean", flag_nonfinite=True))
+  i8 = jnp.int8
+  rows = functools.partial(quantizers.rows_pass, flag_nonfinite=True)
   ones = jnp.ones((2, 1, 64), jnp.float32)
-  second = lambda: (
-      quantizers.rows_pass(k, lens, group=64, dtype=jnp.int8,
-                           shift=jnp.full((2, 1, 1, 64), 0.5), bias_q_mean=qm,
-                           flag_nonfinite=True),
-      quantizers.v_pass(v, lens, dtype=jnp.float8_e4m3fn, shift=ones * 0.1,
-                        inv_channel=ones * 40.0, key_order=True,
-                        flag_nonfinite=True))
-  for passes in (first, second):
+  cases = {
+      "sage first": (lambda: (
+          quantizers.stats_pass(k, lens, mode=quantizers.STATS_SUM),
+          quantizers.stats_pass(v, lens, mode=quantizers.STATS_EXTREMA),
+          rows(q, q_lens, group=32, dtype=i8, block=64, shift="tile_mean")),
+                     2),
+      "rows beside V": (lambda: (
+          rows(q, q_lens, group=1, dtype=i8, num_warps=4),
+          quantizers.v_pass(v, lens, dtype=jnp.float8_e4m3fn,
+                            shift=ones * 0.1, inv_channel=ones * 40.0,
+                            key_order=True, flag_nonfinite=True),
+          rows(k, lens, group=1, dtype=i8, num_warps=4)), 2),
+      "warps apart": (lambda: (
+          rows(q, q_lens, group=1, dtype=i8, num_warps=8), None,
+          quantizers.stats_pass(v, lens, mode=quantizers.STATS_AMAX),
+          rows(k, lens, group=16, dtype=i8, num_warps=4)), 3),
+  }
+  grids = []
+  launch = triton_call.launch
+  monkeypatch.setattr(triton_call, "launch", lambda *a, **kw: grids.append(
+      kw["grid"]) or launch(*a, **kw))
+  for name, (passes, launches) in cases.items():
+    grids.clear()
     together = quantizers.run_passes(*passes())
-    alone = [quantizers.run_passes(p)[0] for p in passes()]
+    assert len(grids) == launches, (name, grids)
+    alone = [None if p is None else quantizers.run_passes(p)[0]
+             for p in passes()]
+    assert [r is None for r in together] == [r is None for r in alone]
     for g, r in zip(jax.tree.leaves(together), jax.tree.leaves(alone)):
       np.testing.assert_array_equal(np.asarray(g, np.float32),
                                     np.asarray(r, np.float32))
