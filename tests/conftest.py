@@ -66,7 +66,7 @@ EXTENDED_CELLS = {
          "triton-fmha_int8", "reference-int8", "reference-fmha_int8",
          "reference-fp8", "mosaic-fp8", "mosaic-pasa", "mosaic-sage"],
     "tests/test_flash_pasa.py::test_pasa_is_fp16_fp32_where_no_block_is_shifted":
-        ["hybrid-10.0-mosaic", "uniform-0.5-mosaic"],
+        ["hybrid-10.0-mosaic", "uniform-0.5-mosaic", "uniform-0.5-triton"],
     "tests/test_grad.py::test_gradient_and_residual_in_one_call":
         ["fp16_fp32-mosaic", "int8-mosaic", "fmha_int8-mosaic", "fp32-mosaic",
          "fp16_fp32-triton", "fp16-triton", "int8-triton",
