@@ -631,20 +631,30 @@ def run_passes(*passes, num_warps: int | None = None, num_stages: int = 2):
   its three passes alone 94.  The operands' kernels, all passes in one
   launch against a launch per kind (4x2048x32x128, H200): sage 301 ->
   271 us, fp8 176 -> 147, the FMHA 248 -> 190, int8 123 -> 126 (its
-  whole call 456 -> 454 us).  ``num_warps`` overrides the passes' own."""
+  whole call 456 -> 454 us).  ``num_warps`` overrides the passes' own.  (In the interpreter, which
+  has no occupancy and spends about 25 ms a launch, they share one.)"""
   given = passes
   passes = [p for p in passes if p is not None]
   if not 1 <= len(passes) <= 3:
     raise ValueError(f"run_passes runs one to three passes, got "
                      f"{len(passes)}")
-  launches: dict = {}
-  for p in passes:
-    launches.setdefault((p.spec.kind, num_warps or p.warps), []).append(p)
   results = {}
-  for group in launches.values():
+  for group in launch_groups(passes, num_warps):
     for p, r in zip(group, _launch(group, num_warps, num_stages)):
       results[id(p)] = r
   return [None if p is None else results[id(p)] for p in given]
+
+
+def launch_groups(passes, num_warps: int | None = None) -> list:
+  """The launches of :func:`run_passes` for ``passes`` (no None entries),
+  each a list of passes: one per kind and warp count on the GPU, one in
+  all in the interpreter."""
+  if common.interpret():
+    return [list(passes)]
+  launches: dict = {}
+  for p in passes:
+    launches.setdefault((p.spec.kind, num_warps or p.warps), []).append(p)
+  return list(launches.values())
 
 
 def _launch(passes, num_warps, num_stages):

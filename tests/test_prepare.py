@@ -590,13 +590,14 @@ def test_operands_take_one_launch_per_kind_of_pass(method, opts, launches,
 
 
 def test_run_passes_shares_launches_by_kind_and_warps(monkeypatch):
-  """:func:`quantizers.run_passes`: passes of one kind and warp count share
-  a launch (programs take their roles by program id), other passes take
-  launches of their own, and each gives the bits it gives alone, in the
-  order given (None entries kept): sage's first phase (the column sums and
-  V's extrema in one launch, the Q pass with its tile means), INT8's rows
-  passes beside a V pass, and rows passes of 4 and 8 warps around a
-  statistics pass."""
+  """:func:`quantizers.run_passes`: on the GPU, passes of one kind and warp
+  count share a launch (programs take their roles by program id), other
+  passes take launches of their own; in the interpreter all share one.
+  Each pass gives the bits it gives alone, in the order given (None
+  entries kept): sage's first phase (the column sums and V's extrema, the
+  Q pass with its tile means), INT8's rows passes beside a V pass, and
+  rows passes of 4 and 8 warps around a statistics pass."""
+  from triton.backends.compiler import GPUTarget
   q, k, v, lens = _inputs(2, t=100, s=90, n=2, kh=1)
   q_lens = jnp.full((2,), 100, jnp.int32)
   i8 = jnp.int8
@@ -624,9 +625,13 @@ def test_run_passes_shares_launches_by_kind_and_warps(monkeypatch):
   monkeypatch.setattr(triton_call, "launch", lambda *a, **kw: grids.append(
       kw["grid"]) or launch(*a, **kw))
   for name, (passes, launches) in cases.items():
+    live = [p for p in passes() if p is not None]
+    with triton_call.compiling_for(GPUTarget("cuda", 90, 32)):   # GPU flags
+      assert len(quantizers.launch_groups(live)) == launches, name
+    assert len(quantizers.launch_groups(live)) == 1, name   # interpreter
     grids.clear()
     together = quantizers.run_passes(*passes())
-    assert len(grids) == launches, (name, grids)
+    assert len(grids) == 1, (name, grids)
     alone = [None if p is None else quantizers.run_passes(p)[0]
              for p in passes()]
     assert [r is None for r in together] == [r is None for r in alone]
