@@ -238,6 +238,7 @@ def _count_calls(monkeypatch, eager=True):
     monkeypatch.setattr(owner, name, counted)
 
   wrap(jt, "_to_jax", "import")
+  wrap(jt, "_host_view", "import")   # (a CPU tensor as a numpy view)
   wrap(jax.dlpack, "from_dlpack", "jax.dlpack.from_dlpack")
   wrap(torch, "from_dlpack", "export")
   wrap(jt, "_Plan", "plan")
@@ -284,7 +285,8 @@ def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
     monkeypatch, case):
   """The structure that makes a call cheap: the second call of a signature
   checks nothing, traces and compiles nothing, imports each input tensor
-  once through jax's core import (not jax.dlpack.from_dlpack's Python),
+  once (a numpy view on the CPU, else jax's core DLPack import; never
+  jax.dlpack.from_dlpack's Python),
   exports each output once, and goes through the custom operator only
   where autograd needs it; its results are those of a fresh call."""
   name, call, n_in, n_out, n_op = case
@@ -309,15 +311,19 @@ def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
 
 def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
   """A call imports a permuted view as its tensor's buffer (no copy), every
-  call of its signature; a view with gaps is copied (once a call)."""
-  imported = []
-  to_jax = jt._to_jax
+  call of its signature; a view with gaps is copied (once a call).  On the
+  CPU the executable takes a numpy view of the buffer, which it aliases
+  (jax's DLPack import for float64); bfloat16 crosses as its bits."""
+  imported, views = [], []
 
-  def spy(tensor, *args):
+  def spied(tensor, *args):
     imported.append(tensor.data_ptr())
-    return to_jax(tensor, *args)
+    view = host_view(tensor, *args)
+    views.append(view)
+    return view
 
-  monkeypatch.setattr(jt, "_to_jax", spy)
+  host_view = jt._host_view
+  monkeypatch.setattr(jt, "_host_view", spied)
   for seed in (0, 1):   # the call that plans and one that reuses the plan
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
                for x in hnd(seed))   # HND views of NHD buffers
@@ -325,10 +331,19 @@ def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
     del imported[:]
     jt.attention(q, k, v, **REF)
     assert imported[-3:] == [x.data_ptr() for x in (q, k, v)]
+    assert all(isinstance(a, np.ndarray) for a in views[-3:])
+    assert views[-1].ctypes.data == v.data_ptr()   # shared, not copied
     del imported[:]
     jt.attention(q, k, gaps, **REF)
     assert imported[-3:-1] == [q.data_ptr(), k.data_ptr()]
     assert imported[-1] != gaps.data_ptr()
+  bf16 = [x.to(torch.bfloat16) for x in hnd(0)]
+  out = jt.attention(*bf16, **REF)
+  assert views[-1].dtype == jnp.bfloat16
+  np.testing.assert_array_equal(
+      views[-1].view(np.int16), bf16[2].view(torch.int16).numpy())
+  want = jt.attention(*(x.float() for x in bf16), **REF)
+  torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_torch_compile_second_call_compiles_nothing(monkeypatch):
