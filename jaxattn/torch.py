@@ -31,8 +31,8 @@ method, options, flags and jax's tracing configuration) is checked, traced
 and compiled once (``jax.jit(...).lower(...).compile()``, kept in a dict,
 :class:`_Plan`); a call with a known signature imports its tensors through
 jax's DLPack core (``dlpack_managed_tensor_to_buffer``, not the Python of
-``jax.dlpack.from_dlpack``; on the CPU as numpy views, which the
-executable's argument path aliases), runs the compiled executable and
+``jax.dlpack.from_dlpack``; where jax has only CPUs as numpy views, which
+the executable's argument path aliases), runs the compiled executable and
 exports its output with ``torch.from_dlpack``.  Without a gradient to
 record (grad mode off, or no input requires grad) that is all; otherwise
 the call goes through the operator below.
@@ -440,13 +440,17 @@ class _Plan:
   kernel waits for that post.
   """
 
-  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda")
+  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda",
+               "host_views")
 
   def __init__(self, body, tensors, lens, to):
     torch_device = next(t for t in tensors if t is not None).device
     self.device = _jax_device_for(torch_device)
     self.cuda = torch_device.index if torch_device.type == "cuda" else None
     self.dl_type = 2 if self.cuda is not None else 1   # kDLCUDA, kDLCPU
+    # numpy views where jax's only devices are CPUs (the case measured; a
+    # GPU host's CPU tensors keep the import, which names the CPU device)
+    self.host_views = self.cuda is None and not _jax_has_gpu()
     recipes, metas = [], []
     for t, to_axes in zip(tensors, to):
       if t is None:
@@ -499,16 +503,15 @@ class _Plan:
           # fence's wait: torch copies it, after the work that wrote it
           t = t.clone()
         views.append(t)
-    if self.cuda is None:   # (float64, int64: jax's import)
+    if self.host_views:   # (float64, int64: jax's import)
       args = [_host_view(t) if t.dtype in _HOST_VIEW_DTYPES
               else _to_jax(t, self.device, None, 1) for t in views]
-      if lens is not None:
-        args.append(lens)
-      return args, None, None
-    # (no stream: the fence orders jax's reads after torch's work)
-    args = [_to_jax(t, self.device, None, self.dl_type) for t in views]
+    else:   # (no stream: the fence orders jax's reads after torch's work)
+      args = [_to_jax(t, self.device, None, self.dl_type) for t in views]
     if lens is not None:
       args.append(lens)
+    if self.cuda is None:
+      return args, None, None
     export_stream, fence = _fence_for(self.cuda, self.device)
     args.append(fence.array)
     return args, export_stream, fence

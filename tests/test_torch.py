@@ -311,37 +311,45 @@ def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
 
 def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
   """A call imports a permuted view as its tensor's buffer (no copy), every
-  call of its signature; a view with gaps is copied (once a call).  On the
-  CPU the executable takes a numpy view of the buffer, which it aliases
-  (jax's DLPack import for float64); bfloat16 crosses as its bits."""
+  call of its signature; a view with gaps is copied (once a call).  Where
+  jax has only CPUs the executable takes a numpy view of the buffer, which
+  it aliases (bfloat16 as its bits); on a GPU host, jax's DLPack import."""
   imported, views = [], []
+  crossing = "_to_jax" if jt._jax_has_gpu() else "_host_view"
 
-  def spied(tensor, *args):
-    imported.append(tensor.data_ptr())
-    view = host_view(tensor, *args)
-    views.append(view)
-    return view
+  def spy(name):
+    fn = getattr(jt, name)
 
-  host_view = jt._host_view
-  monkeypatch.setattr(jt, "_host_view", spied)
+    def spied(tensor, *args):
+      out = fn(tensor, *args)
+      imported.append((name, tensor.data_ptr()))
+      views.append(out)
+      return out
+
+    monkeypatch.setattr(jt, name, spied)
+
+  spy("_to_jax")
+  spy("_host_view")
   for seed in (0, 1):   # the call that plans and one that reuses the plan
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
                for x in hnd(seed))   # HND views of NHD buffers
     gaps = torch.randn(B, K, 2 * S, H)[:, :, ::2]
     del imported[:]
     jt.attention(q, k, v, **REF)
-    assert imported[-3:] == [x.data_ptr() for x in (q, k, v)]
-    assert all(isinstance(a, np.ndarray) for a in views[-3:])
-    assert views[-1].ctypes.data == v.data_ptr()   # shared, not copied
+    assert imported[-3:] == [(crossing, x.data_ptr()) for x in (q, k, v)]
+    if crossing == "_host_view":
+      assert all(isinstance(a, np.ndarray) for a in views[-3:])
+      assert views[-1].ctypes.data == v.data_ptr()   # shared, not copied
     del imported[:]
     jt.attention(q, k, gaps, **REF)
-    assert imported[-3:-1] == [q.data_ptr(), k.data_ptr()]
-    assert imported[-1] != gaps.data_ptr()
+    assert [p for _, p in imported[-3:-1]] == [q.data_ptr(), k.data_ptr()]
+    assert imported[-1][1] != gaps.data_ptr()
   bf16 = [x.to(torch.bfloat16) for x in hnd(0)]
   out = jt.attention(*bf16, **REF)
-  assert views[-1].dtype == jnp.bfloat16
-  np.testing.assert_array_equal(
-      views[-1].view(np.int16), bf16[2].view(torch.int16).numpy())
+  if crossing == "_host_view":
+    assert views[-1].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        views[-1].view(np.int16), bf16[2].view(torch.int16).numpy())
   want = jt.attention(*(x.float() for x in bf16), **REF)
   torch.testing.assert_close(out.float(), want, atol=2e-2, rtol=2e-2)
 
