@@ -440,8 +440,7 @@ class _Plan:
   kernel waits for that post.
   """
 
-  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda",
-               "host_views")
+  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda")
 
   def __init__(self, body, tensors, lens, to):
     torch_device = next(t for t in tensors if t is not None).device
@@ -450,7 +449,7 @@ class _Plan:
     self.dl_type = 2 if self.cuda is not None else 1   # kDLCUDA, kDLCPU
     # numpy views where jax's only devices are CPUs (the case measured; a
     # GPU host's CPU tensors keep the import, which names the CPU device)
-    self.host_views = self.cuda is None and not _jax_has_gpu()
+    host_views = self.cuda is None and not _jax_has_gpu()
     recipes, metas = [], []
     for t, to_axes in zip(tensors, to):
       if t is None:
@@ -459,7 +458,9 @@ class _Plan:
         continue
       perm, copy, axes = _dense_layout(t)
       float8 = _FLOAT8.get(t.dtype)
-      recipes.append((perm, copy, float8 is not None))
+      dtype = torch.uint8 if float8 else t.dtype
+      recipes.append((perm, copy, float8 is not None,
+                      host_views and dtype in _HOST_VIEW_DTYPES))
       if to_axes is not None:
         axes = tuple(axes[i] for i in to_axes)
       metas.append((axes, float8))
@@ -488,26 +489,25 @@ class _Plan:
     """The executable's arguments for ``tensors`` and ``lens`` (on CUDA the
     fence's counter last), torch's stream to export the outputs on and its
     fence (both None on the CPU)."""
-    views = []
+    args = []
     for t, recipe in zip(tensors, self.recipes):
       if recipe is not None:
-        perm, copy, as_uint8 = recipe
+        perm, copy, as_uint8, host_view = recipe
         if copy:
           t = t.contiguous()
         elif perm is not None:
           t = t.permute(perm)
         if as_uint8:
           t = t.view(torch.uint8)
+        if host_view:   # (float64, int64 and GPU hosts: jax's import)
+          args.append(_host_view(t))
+          continue
         if self.cuda is not None and t.data_ptr() % 16:
           # jax would copy it at the import, on its stream, before the
           # fence's wait: torch copies it, after the work that wrote it
           t = t.clone()
-        views.append(t)
-    if self.host_views:   # (float64, int64: jax's import)
-      args = [_host_view(t) if t.dtype in _HOST_VIEW_DTYPES
-              else _to_jax(t, self.device, None, 1) for t in views]
-    else:   # (no stream: the fence orders jax's reads after torch's work)
-      args = [_to_jax(t, self.device, None, self.dl_type) for t in views]
+        # (no stream: the fence orders jax's reads after torch's work)
+        args.append(_to_jax(t, self.device, None, self.dl_type))
     if lens is not None:
       args.append(lens)
     if self.cuda is None:

@@ -631,8 +631,9 @@ def run_passes(*passes, num_warps: int | None = None, num_stages: int = 2):
   its three passes alone 94.  The operands' kernels, all passes in one
   launch against a launch per kind (4x2048x32x128, H200): sage 301 ->
   271 us, fp8 176 -> 147, the FMHA 248 -> 190, int8 123 -> 126 (its
-  whole call 456 -> 454 us).  ``num_warps`` overrides the passes' own.  (In the interpreter, which
-  has no occupancy and spends about 25 ms a launch, they share one.)"""
+  whole call 456 -> 454 us).  ``num_warps`` overrides the passes' own.
+  (In the interpreter, which has no occupancy and spends about 25 ms a
+  launch, they share one.)"""
   given = passes
   passes = [p for p in passes if p is not None]
   if not 1 <= len(passes) <= 3:
