@@ -368,6 +368,28 @@ def test_torch_compile_second_call_compiles_nothing(monkeypatch):
   assert torch.equal(out, jt.sageattn(*hnd(1), **REF))
 
 
+@pytest.mark.parametrize("grad", [False, True], ids=["no_grad", "grad"])
+def test_torch_compile_uses_the_autograd_operator_only_for_gradients(grad):
+  """A graph traced with no gradient to record calls the operator without
+  an autograd kernel; one with a gradient, the operator with it."""
+  graphs = []
+
+  def backend(gm, example_inputs):
+    graphs.append({str(n.target) for n in gm.graph.nodes
+                   if n.op == "call_function"})
+    return gm
+
+  fn = torch.compile(lambda q, k, v: jt.sageattn(q, k, v, **REF),
+                     backend=backend, fullgraph=True)
+  q, k, v = hnd(2)
+  out = fn(q.requires_grad_(grad), k, v)
+  ops = {t for t in graphs[0] if t.startswith("jaxattn.")}
+  assert ops == {"jaxattn.attention" if grad
+                 else "jaxattn.attention_no_grad"}, graphs
+  assert out.requires_grad == grad
+  assert torch.equal(out.detach(), jt.sageattn(*hnd(2), **REF))
+
+
 def test_non_contiguous_views_give_the_same_result():
   q, k, v = hnd(9)
   want = jt.attention(q, k, v, **REF)
