@@ -67,6 +67,7 @@ memory; ``XLA_PYTHON_CLIENT_MEM_FRACTION`` leaves torch room.)
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import threading
 
@@ -186,7 +187,7 @@ def _store(cache: dict, key, value):
 _JAX_DEVICES: dict = {}       # torch.device -> jax device
 _EXTERNAL_STREAMS: dict = {}  # jax's stream pointer -> torch.cuda.ExternalStream
 _UNSET = object()
-_importer = _exporter = _UNSET   # found at first use
+_importer = _exporter = _stream_write = _UNSET   # found at first use
 
 
 def _jax_device_for(device: torch.device):
@@ -326,6 +327,19 @@ def _cuda_handshake(index: int, device):
   return stream, current.cuda_stream or 1
 
 
+def _find_stream_write():
+  """The CUDA driver's ``cuStreamWriteValue32`` (a 32-bit store queued on a
+  stream, after a memory fence: no kernel launch), or None."""
+  try:
+    write = ctypes.CDLL("libcuda.so.1").cuStreamWriteValue32_v2
+  except (OSError, AttributeError):
+    return None
+  write.argtypes = (ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint32,
+                    ctypes.c_uint)
+  write.restype = ctypes.c_int
+  return write
+
+
 class _Fence:
   """Orders jax's stream after one torch stream without a host wait
   (:mod:`pallas_kernels.stream_fence`): an int32 ``[2]`` counter (posts,
@@ -334,7 +348,8 @@ class _Fence:
   first kernel waits on the device for that post, is launched.  While it
   waits, all of jax's work on the device waits with it."""
 
-  __slots__ = ("array", "tensor", "posts", "lock", "index")
+  __slots__ = ("array", "tensor", "posts", "lock", "index", "stream",
+               "count")
 
   def __init__(self, device, stream: int, index: int):
     # jax's zeros, queued on jax's stream before every wait; torch's stream
@@ -344,11 +359,21 @@ class _Fence:
     self.posts = self.tensor[:1]
     self.lock = threading.Lock()
     self.index = index
+    self.stream = stream   # (1: the legacy default stream, as in CUDA)
+    self.count = 0         # posts queued, mod 2^32: the counter's next value
 
   def post(self) -> None:
     """Queued on torch's current stream, after the work that wrote the
-    inputs."""
-    self.posts.add_(1)
+    inputs: the counter := posts so far, by the driver's stream write (on
+    the H200's host 21 us a call as a torch ``add_``), or ``add_`` where
+    that is refused (the same value)."""
+    global _stream_write
+    if _stream_write is _UNSET:
+      _stream_write = _find_stream_write()
+    self.count = (self.count + 1) & 0xFFFFFFFF
+    if _stream_write is None or _stream_write(
+        self.stream, self.posts.data_ptr(), self.count, 0) != 0:
+      self.posts.add_(1)
 
   def resync(self) -> None:
     """After a launch that failed: once every queued wait has passed (each
@@ -357,6 +382,7 @@ class _Fence:
     torch.cuda.synchronize(self.index)
     self.posts.copy_(self.tensor[1:])
     torch.cuda.synchronize(self.index)
+    self.count = int(self.posts.item()) & 0xFFFFFFFF
 
 
 _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
