@@ -42,11 +42,12 @@ Autograd and ``torch.compile``: the custom operator
 implementation for tracing) carries the calls that need a gradient, and
 ``torch.ops.jaxattn.attention_no_grad`` (the same call without an autograd
 kernel) those that ``torch.compile`` traces with none to record; the
-compiled graph keeps either as one opaque call instead of tracing DLPack.  Its backward is the operator
-``jaxattn::attention_backward``, which runs jaxattn's VJP
-(:func:`jaxattn.grad.attention_vjp`: the exact gradient of attention at the
-inputs, straight through the quantization) on the saved inputs and the
-forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets a gradient too.
+compiled graph keeps either as one opaque call instead of tracing DLPack.
+The backward is the operator ``jaxattn::attention_backward``, which runs
+jaxattn's VJP (:func:`jaxattn.grad.attention_vjp`: the exact gradient of
+attention at the inputs, straight through the quantization) on the saved
+inputs and the forward's log-sum-exp.  A float ``attn_mask`` (a bias) gets
+a gradient too.
 
 CUDA streams: nothing synchronises the device, and the host does not wait
 for torch's queued work.  Importing the inputs on a stream (what
@@ -349,7 +350,7 @@ class _Fence:
   waits, all of jax's work on the device waits with it."""
 
   __slots__ = ("array", "tensor", "posts", "lock", "index", "stream",
-               "count")
+               "address", "write", "count")
 
   def __init__(self, device, stream: int, index: int):
     # jax's zeros, queued on jax's stream before every wait; torch's stream
@@ -359,7 +360,12 @@ class _Fence:
     self.posts = self.tensor[:1]
     self.lock = threading.Lock()
     self.index = index
+    global _stream_write
+    if _stream_write is _UNSET:
+      _stream_write = _find_stream_write()
+    self.write = _stream_write   # None: posts are torch add_'s
     self.stream = stream   # (1: the legacy default stream, as in CUDA)
+    self.address = self.posts.data_ptr()
     self.count = 0         # posts queued, mod 2^32: the counter's next value
 
   def post(self) -> None:
@@ -367,12 +373,9 @@ class _Fence:
     inputs: the counter := posts so far, by the driver's stream write (on
     the H200's host 21 us a call as a torch ``add_``), or ``add_`` where
     that is refused (the same value)."""
-    global _stream_write
-    if _stream_write is _UNSET:
-      _stream_write = _find_stream_write()
     self.count = (self.count + 1) & 0xFFFFFFFF
-    if _stream_write is None or _stream_write(
-        self.stream, self.posts.data_ptr(), self.count, 0) != 0:
+    if self.write is None or self.write(self.stream, self.address,
+                                        self.count, 0) != 0:
       self.posts.add_(1)
 
   def resync(self) -> None:
