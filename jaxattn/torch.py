@@ -390,16 +390,23 @@ class _Fence:
 
 _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
 
+# torch's current CUDA stream as its raw handle (0: the legacy default
+# stream), without the Stream object torch.cuda.current_stream builds
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
+    lambda index: torch.cuda.current_stream(index).cuda_stream)
+_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
+                        torch.cuda.is_current_stream_capturing)
+
 
 def _fence_for(index: int, device):
   """``(torch's current stream as a DLPack stream number, its fence)``."""
-  if torch.cuda.is_current_stream_capturing():
+  if _is_capturing():
     # a captured post runs at each replay, but jax's wait runs now, once
     raise RuntimeError("jaxattn.torch cannot run inside a CUDA graph capture "
                        "(torch.cuda.graph, torch.compile's reduce-overhead "
                        "mode): jax launches its kernels outside the graph")
   # DLPack numbers the legacy default stream 1 (torch.from_dlpack does too)
-  stream = torch.cuda.current_stream(index).cuda_stream or 1
+  stream = _raw_stream(index) or 1
   fence = _FENCES.get((index, stream))
   if fence is None:
     fence = _FENCES[index, stream] = _Fence(device, stream, index)
