@@ -394,13 +394,11 @@ _FENCES: dict = {}   # (device index, torch stream) -> _Fence, kept for good
 # stream), without the Stream object torch.cuda.current_stream builds
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or (
     lambda index: torch.cuda.current_stream(index).cuda_stream)
-_is_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing",
-                        torch.cuda.is_current_stream_capturing)
 
 
 def _fence_for(index: int, device):
   """``(torch's current stream as a DLPack stream number, its fence)``."""
-  if _is_capturing():
+  if torch.cuda.is_current_stream_capturing():
     # a captured post runs at each replay, but jax's wait runs now, once
     raise RuntimeError("jaxattn.torch cannot run inside a CUDA graph capture "
                        "(torch.cuda.graph, torch.compile's reduce-overhead "
