@@ -32,8 +32,9 @@ and compiled once (``jax.jit(...).lower(...).compile()``, kept in a dict,
 :class:`_Plan`); a call with a known signature imports its tensors through
 jax's DLPack core (``dlpack_managed_tensor_to_buffer``, not the Python of
 ``jax.dlpack.from_dlpack``; where jax has only CPUs as numpy views, which
-the executable's argument path aliases), runs the compiled executable and
-exports its output with ``torch.from_dlpack``.  Without a gradient to
+the executable's argument path aliases; on CUDA once per buffer address,
+as views that own nothing, :class:`_DeviceViews`), runs the compiled
+executable and exports its output with ``torch.from_dlpack``.  Without a gradient to
 record (grad mode off, or no input requires grad) that is all; otherwise
 the call goes through the operator below.
 
@@ -283,6 +284,141 @@ _HOST_VIEW_DTYPES = {torch.float16: None, torch.float32: None,
                      torch.bfloat16: (torch.int16, jnp.bfloat16)}
 
 
+class _DLTensor(ctypes.Structure):   # DLPack's DLTensor (unversioned)
+  _fields_ = [("data", ctypes.c_void_p), ("device", ctypes.c_int32 * 2),
+              ("ndim", ctypes.c_int32), ("dtype", ctypes.c_uint8 * 4),
+              ("shape", ctypes.c_void_p), ("strides", ctypes.c_void_p),
+              ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+  _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+              ("deleter", ctypes.c_void_p)]
+
+
+def _find_libc():
+  """``(malloc, free, PyCapsule_New)`` through ctypes, or None."""
+  try:
+    libc = ctypes.CDLL(None)
+    malloc, free = libc.malloc, libc.free
+    new_capsule = ctypes.pythonapi.PyCapsule_New
+  except (OSError, AttributeError, TypeError):
+    return None
+  malloc.argtypes, malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
+  free.argtypes, free.restype = (ctypes.c_void_p,), None
+  new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
+  new_capsule.restype = ctypes.py_object
+  return malloc, free, new_capsule
+
+
+def _find_view_load():
+  """``load(capsule, jax_device, dl_device_type)`` for the capsules of
+  :class:`_DeviceViews`: jax's C++ import, in the form this jax takes,
+  or None where no form imports a probe tensor as a view of its memory."""
+  global _LIBC
+  core = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
+  _LIBC = _find_libc()
+  if core is None or _LIBC is None:
+    return None
+  probe = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+  cpu = jax.devices("cpu")[0]
+  for load in (lambda capsule, device, dl_type: core(capsule, device, None,
+                                                     None, dl_type),
+               lambda capsule, device, dl_type: core(capsule, device, None)):
+    try:
+      array = _DeviceViews(probe, cpu, 1, load)(probe)
+      if (array.unsafe_buffer_pointer() == probe.data_ptr()
+          and np.array_equal(np.asarray(array), probe.numpy())):
+        return load
+    except Exception:  # pylint: disable=broad-except
+      continue
+  return None
+
+
+_LIBC = None
+_view_load = _UNSET   # _find_view_load's answer, found at the first plan
+
+
+class _DeviceViews:
+  """jax arrays viewing one plan input's CUDA buffers, by address, that own
+  no memory: a repeat call on a buffer seen before reuses its array, with
+  no DLPack import (on the H200's host 9-12 us a tensor, and the
+  executable costs more on fresh imports than on arrays it has run on).
+
+  Each array comes from a DLPack capsule built here whose deleter is libc's
+  ``free`` of the capsule itself (no torch reference, no GIL).  A plan
+  fixes shape, strides and dtype, so the address names the view.  The
+  caller keeps the tensor alive until the outputs are exported on torch's
+  stream, which waits for jax's result: later torch work on that stream,
+  a reuse of the freed buffer included, comes after jax's reads, as after
+  a torch kernel's (a buffer freed on another stream needs
+  ``record_stream``, as for torch's own kernels).
+  """
+
+  __slots__ = ("template", "ndim", "device", "dl_type", "load", "arrays")
+  CAPACITY = 16   # addresses kept a plan input (the first seen goes first)
+
+  def __init__(self, tensor: torch.Tensor, device, dl_type: int, load):
+    """``load(capsule, device, dl_type)``: jax's C++ DLPack import."""
+    # dtype and device as torch encodes them, from torch's own capsule
+    capsule = torch._C._to_dlpack(tensor)
+    get = ctypes.pythonapi.PyCapsule_GetPointer
+    get.argtypes, get.restype = (ctypes.py_object, ctypes.c_char_p), \
+        ctypes.c_void_p
+    theirs = _DLManagedTensor.from_address(get(capsule, b"dltensor"))
+    head = _DLManagedTensor()
+    head.dl_tensor.device[:] = theirs.dl_tensor.device[:]
+    head.dl_tensor.dtype[:] = theirs.dl_tensor.dtype[:]
+    del theirs, capsule   # (torch's capsule frees itself, unused)
+    head.dl_tensor.ndim = tensor.ndim
+    head.deleter = ctypes.cast(_LIBC[1], ctypes.c_void_p).value
+    dims = (ctypes.c_int64 * (2 * tensor.ndim))(*tensor.shape,
+                                                  *tensor.stride())
+    self.template = bytes(head) + bytes(dims)
+    self.ndim = tensor.ndim
+    self.device = device
+    self.dl_type = dl_type
+    self.load = load
+    self.arrays: dict = {}
+
+  def __call__(self, tensor: torch.Tensor):
+    address = tensor.data_ptr()
+    array = self.arrays.get(address)
+    if array is None:
+      array = self._import(address)
+      if array.unsafe_buffer_pointer() != address:
+        # a copy (not seen: jax copies only unaligned CUDA buffers, which
+        # the plan clones first) would go stale: used once, not kept
+        return array
+      if len(self.arrays) >= self.CAPACITY:
+        del self.arrays[next(iter(self.arrays))]
+      self.arrays[address] = array
+    return array
+
+  def _import(self, address: int):
+    malloc, free, new_capsule = _LIBC
+    size = len(self.template)
+    block = malloc(size)
+    if not block:
+      raise MemoryError("jaxattn.torch: no memory for a DLPack capsule")
+    ctypes.memmove(block, self.template, size)
+    dims = block + ctypes.sizeof(_DLManagedTensor)
+    view = _DLManagedTensor.from_address(block)
+    view.dl_tensor.data = address
+    view.dl_tensor.shape = dims
+    view.dl_tensor.strides = dims + 8 * self.ndim
+    del view
+    capsule = new_capsule(block, b"dltensor", None)
+    try:
+      return self.load(capsule, self.device, self.dl_type)
+    except BaseException:
+      # (a consumed capsule is renamed; an unconsumed one owns the block)
+      if ctypes.pythonapi.PyCapsule_IsValid(ctypes.py_object(capsule),
+                                            b"dltensor"):
+        free(block)
+      raise
+
+
 def _host_view(tensor: torch.Tensor):
   """A dense CPU tensor of a dtype in :data:`_HOST_VIEW_DTYPES` as a numpy
   array sharing its memory, which the compiled executable's own argument
@@ -475,7 +611,7 @@ class _Plan:
   kernel waits for that post.
   """
 
-  __slots__ = ("recipes", "compiled", "device", "dl_type", "cuda")
+  __slots__ = ("recipes", "views", "compiled", "device", "dl_type", "cuda")
 
   def __init__(self, body, tensors, lens, to):
     torch_device = next(t for t in tensors if t is not None).device
@@ -500,6 +636,19 @@ class _Plan:
         axes = tuple(axes[i] for i in to_axes)
       metas.append((axes, float8))
     self.recipes = tuple(recipes)
+    self.views = None
+    if self.cuda is not None:
+      global _view_load
+      if _view_load is _UNSET:
+        _view_load = _find_view_load()
+      if _view_load is not None:
+        try:
+          self.views = tuple(
+              None if r is None else _DeviceViews(
+                  _crossed(t, r), self.device, self.dl_type, _view_load)
+              for t, r in zip(tensors, self.recipes))
+        except Exception:  # pylint: disable=broad-except
+          self.views = None   # (DLPack's own import, as before)
     has_lens = lens is not None
 
     fenced = self.cuda is not None
@@ -516,50 +665,56 @@ class _Plan:
       # of it, and the wait has no side effect XLA knows of)
       return out if token is None else (out, token)
 
-    args, _, _ = self.inputs(tensors, lens)
+    try:
+      args, _, _, _ = self.inputs(tensors, lens)
+    except Exception:  # pylint: disable=broad-except
+      if self.views is None:
+        raise
+      self.views = None   # this jax refuses the views: DLPack's own import
+      args, _, _, _ = self.inputs(tensors, lens)
     with _jax_device(torch_device):
       self.compiled = jax.jit(traced).lower(*args).compile()
 
   def inputs(self, tensors, lens):
-    """The executable's arguments for ``tensors`` and ``lens`` (on CUDA the
-    fence's counter last), torch's stream to export the outputs on and its
-    fence (both None on the CPU)."""
-    args = []
-    for t, recipe in zip(tensors, self.recipes):
-      if recipe is not None:
-        perm, copy, as_uint8, host_view = recipe
-        if copy:
-          t = t.contiguous()
-        elif perm is not None:
-          t = t.permute(perm)
-        if as_uint8:
-          t = t.view(torch.uint8)
-        if host_view:   # (float64, int64 and GPU hosts: jax's import)
-          args.append(_host_view(t))
-          continue
-        if self.cuda is not None and t.data_ptr() % 16:
-          # jax would copy it at the import, on its stream, before the
-          # fence's wait: torch copies it, after the work that wrote it
-          t = t.clone()
-        # (no stream: the fence orders jax's reads after torch's work)
+    """``(args, stream, fence, held)``: the executable's arguments for
+    ``tensors`` and ``lens`` (on CUDA the fence's counter last), torch's
+    stream to export the outputs on and its fence (both None on the CPU),
+    and the tensors that the arguments view without owning them."""
+    args, held = [], []
+    for i, (t, recipe) in enumerate(zip(tensors, self.recipes)):
+      if recipe is None:
+        continue
+      t = _crossed(t, recipe)
+      if recipe[3]:   # (float64, int64 and GPU hosts: jax's import)
+        args.append(_host_view(t))
+        continue
+      if self.cuda is not None and t.data_ptr() % 16:
+        # jax would copy it at the import, on its stream, before the
+        # fence's wait: torch copies it, after the work that wrote it
+        t = t.clone()
+      if self.views is not None:
+        held.append(t)
+        args.append(self.views[i](t))
+      else:   # (no stream: the fence orders jax's reads after torch's work)
         args.append(_to_jax(t, self.device, None, self.dl_type))
     if lens is not None:
       args.append(lens)
     if self.cuda is None:
-      return args, None, None
+      return args, None, None, held
     export_stream, fence = _fence_for(self.cuda, self.device)
     args.append(fence.array)
-    return args, export_stream, fence
+    return args, export_stream, fence, held
 
   def __call__(self, tensors, lens=None):
-    """``(jax outputs, torch's stream to export them on, the imported
-    arrays)``.  Hold the arrays until the outputs are exported: on the CPU
-    that is after the computation, so that their release (torch's DLPack
-    deleter, which takes the GIL) runs in this thread, not in XLA's worker
-    while this one waits holding the GIL."""
-    args, export_stream, fence = self.inputs(tensors, lens)
+    """``(jax outputs, torch's stream to export them on, what to hold)``.
+    Hold the last until the outputs are exported: the tensors that views
+    read (torch's stream then waits for jax's result), and on the CPU the
+    imported arrays, so that their release (torch's DLPack deleter, which
+    takes the GIL) runs in this thread, not in XLA's worker while this one
+    waits holding the GIL."""
+    args, export_stream, fence, held = self.inputs(tensors, lens)
     if fence is None:
-      return self.compiled(*args), export_stream, args
+      return self.compiled(*args), export_stream, (args, held)
     # The post goes first: on torch's legacy default stream a kernel waits
     # for every blocking stream's work, jax's wait included, so a post
     # queued after the launch would never run.
@@ -570,7 +725,18 @@ class _Plan:
       except BaseException:
         fence.resync()   # a turn may or may not have been taken
         raise
-    return out, export_stream, args
+    return out, export_stream, (args, held)
+
+
+def _crossed(tensor: torch.Tensor, recipe) -> torch.Tensor:
+  """The tensor as it crosses into jax by ``recipe`` (a :class:`_Plan`'s):
+  its dense buffer in memory order, float8 as uint8."""
+  perm, copy, as_uint8, _ = recipe
+  if copy:
+    tensor = tensor.contiguous()
+  elif perm is not None:
+    tensor = tensor.permute(perm)
+  return tensor.view(torch.uint8) if as_uint8 else tensor
 
 
 # --- the forward and backward as plans ------------------------------------

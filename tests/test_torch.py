@@ -197,6 +197,37 @@ def test_zero_copy_input_side():
                                 gaps.numpy())
 
 
+def test_device_views_follow_the_buffer_and_own_nothing():
+  """The CUDA plans' input views (exercised here on jax's CPU device): a
+  view of a tensor's memory, not of its values; one array per address,
+  at most CAPACITY kept; dropping them frees only their own capsules."""
+  load = jt._find_view_load()
+  assert load is not None
+  cpu = jax.devices("cpu")[0]
+  total = jax.jit(jnp.sum)
+  for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.uint8):
+    t = (torch.arange(2 * 3 * 40) % 7).reshape(2, 3, 40).to(dtype)
+    views = jt._DeviceViews(t, cpu, 1, load)
+    a = views(t)
+    assert a.unsafe_buffer_pointer() == t.data_ptr()
+    assert a.shape == t.shape and a.dtype == jnp.dtype(str(t.dtype)[6:])
+    np.testing.assert_array_equal(np.asarray(a).astype(np.float32),
+                                  t.float().numpy())
+    assert views(t) is a            # the same buffer: the same array
+    t.add_(1)                       # written in place: the view reads it
+    assert float(total(views(t).astype(jnp.float32))) == float(t.float().sum())
+  kept = [torch.full((2, 3, 40), float(i)) for i in range(views.CAPACITY + 5)]
+  views = jt._DeviceViews(kept[0], cpu, 1, load)
+  sums = [float(total(views(x))) for x in kept]
+  assert sums == [240.0 * i for i in range(len(kept))]
+  assert len(views.arrays) == views.CAPACITY
+  assert set(views.arrays) == {x.data_ptr() for x in kept[5:]}
+  del views, sums
+  import gc
+  gc.collect()
+  assert all(float(x[0, 0, 0]) == i for i, x in enumerate(kept))
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["direct", "operator"])
 def test_zero_copy_output_side(monkeypatch, grad):
   exported = []
@@ -638,6 +669,38 @@ def test_cuda_stream_order_without_synchronising():
 
 
 @pytest.mark.gpu
+def test_cuda_views_read_the_buffer_after_a_reuse():
+  """On a GPU the plan's inputs are views that own nothing: an input freed
+  right after its call, its block reused on the same stream for the next
+  call's input (behind a sleeping stream, so that both calls are queued
+  before either runs), gives each call its own input's result."""
+  side = torch.cuda.Stream()
+  base = torch.randn(2, 4, 256, 64, device="cuda")
+  k, v = base.flip(2).half(), base.flip(3).half()
+  jt.attention(base.half(), k, v, method="fp32")   # plan once
+  torch.cuda.synchronize()
+  with torch.cuda.stream(side):
+    torch.cuda._sleep(200_000_000)   # ~0.1 s
+    slept = torch.cuda.Event()
+    slept.record(side)
+    q = (base * 2).half()
+    address = q.data_ptr()
+    first = jt.attention(q, k, v, method="fp32")
+    del q                            # its block goes back to side's pool
+    q = (base * 3).half()            # ... and is taken again
+    second = jt.attention(q, k, v, method="fp32")
+  assert not slept.query()
+  assert q.data_ptr() == address     # the reuse this test is about
+  plan = next(p for p in jt._FAST.values() if p.views is not None)
+  assert address in plan.views[0].arrays
+  torch.cuda.synchronize()
+  for out, scale in ((first, 2), (second, 3)):
+    want = F.scaled_dot_product_attention(
+        (base * scale).half().float(), k.float(), v.float())
+    torch.testing.assert_close(out.float(), want, atol=2e-3, rtol=0)
+
+
+@pytest.mark.gpu
 def test_cuda_graph_capture_is_refused():
   """Inside a CUDA graph capture a call raises (jax's kernels cannot join
   the graph), and the stream's fence stays in step for the next call."""
@@ -720,7 +783,7 @@ def test_a_failed_launch_resyncs_the_fence(monkeypatch):
 
   fence = Fence()
   monkeypatch.setattr(jt._Plan, "inputs",
-                      lambda self, tensors, lens: ([], 7, fence))
+                      lambda self, tensors, lens: ([], 7, fence, []))
 
   def fails(*args):
     assert fence.lock.locked()
