@@ -16,7 +16,9 @@ after a 50 ms pause.
 ``host_us`` is that time per call; ``overhead_us`` the shim's minus the
 jitted JAX call's (``jax.jit`` of the same transposes and
 ``jaxattn.dot_product_attention`` on jax arrays sharing the tensors'
-memory).  ``thread_us`` (and ``overhead_thread_us``) is the calling
+memory); at the tiny shape also with ``FRESH_SETS`` input sets in turn,
+more buffers than a CUDA plan keeps views of (every call imports anew).
+``thread_us`` (and ``overhead_thread_us``) is the calling
 thread's CPU time per call over the same rounds: the host's work without
 the waits, which other processes on a shared machine disturb less (on a
 GPU it includes the final synchronisation's spin).  On the CPU a torch output is ready when the call returns, so the
@@ -43,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -68,6 +71,7 @@ GPU_LARGE = [((2, 24, 4096, 64), False, "image DiT"),
 GPU_COMPILE = [((2, 24, 4096, 64), False), ((1, 32, 8192, 128), True)]
 CPU_TINY = (1, 2, 16, 16)
 ROUND_SECONDS = 0.3   # a round at the large shapes lasts about this long
+FRESH_SETS = 32       # tiny shape: input sets in turn, > a plan's views
 PAUSE_SECONDS = 0.05  # before each round
 HUNG_EXIT_CODE = 3
 
@@ -328,10 +332,23 @@ class Bench:
         return (lambda: f(*arrays)), jax.block_until_ready, kind
       return setup
 
+    def shim_fresh():
+      # more input sets than a plan keeps views of: every call's buffers
+      # are new to it, as on a first pass over a model's layers
+      sets = [self.inputs(shape, seed) for seed in range(FRESH_SETS)]
+      turn = iter(range(1 << 62))
+      call = jt.sageattn if shim_name == "sageattn" else functools.partial(
+          jt.attention, method=method)
+      return (lambda: call(*sets[next(turn) % FRESH_SETS], is_causal=causal,
+                           **jax_kw)), self.sync_torch, kind
+
     specs = [(dict(base, name=f"jaxattn.torch.{shim_name} {method}",
                    kind="jaxattn.torch"), shim),
              (dict(base, name=f"jax.jit {method}", kind="jax"),
               jax_call(not self.gpu))]
+    if tiny:
+      specs.append((dict(base, name=f"  {FRESH_SETS} input sets in turn",
+                         kind="jaxattn.torch.fresh"), shim_fresh))
     if not self.gpu:
       specs.append((dict(base, name=f"jax.jit {method} (async)",
                          kind="jax_async"), jax_call(False)))
@@ -354,8 +371,14 @@ class Bench:
                                       - jax_row["host_us"], 2)
       shim_row["overhead_thread_us"] = round(shim_row["thread_us"]
                                              - jax_row["thread_us"], 2)
-    if not self.gpu and len(rows) > 2 and "host_us" in rows[2]:
-      shim_row["jax_async_us"] = rows[2]["host_us"]
+    for row in rows[2:]:
+      if row.get("kind") == "jaxattn.torch.fresh" and "host_us" in row \
+          and "host_us" in jax_row:
+        row["overhead_us"] = round(row["host_us"] - jax_row["host_us"], 2)
+        row["overhead_thread_us"] = round(row["thread_us"]
+                                          - jax_row["thread_us"], 2)
+      if row.get("kind") == "jax_async" and "host_us" in row:
+        shim_row["jax_async_us"] = row["host_us"]
     del q, k, v
     if self.gpu:
       torch.cuda.empty_cache()
@@ -444,6 +467,11 @@ def summarise(rows):
                                              for r in tiny)
   if shim:
     out["max_overhead_us"] = max(r["overhead_us"] for r in shim)
+  fresh = [r for r in rows if r.get("kind") == "jaxattn.torch.fresh"
+           and "overhead_us" in r]
+  if fresh:
+    out["tiny_max_overhead_fresh_inputs_us"] = max(r["overhead_us"]
+                                                   for r in fresh)
   comp = [r for r in rows if r.get("kind") == "compile" and "vs_eager_us" in r]
   if comp:
     out["compile_vs_eager_us"] = {r["shape"]: r["vs_eager_us"] for r in comp}
