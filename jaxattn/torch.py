@@ -298,17 +298,28 @@ class _DLManagedTensor(ctypes.Structure):
 
 def _find_libc():
   """``(malloc, free, PyCapsule_New)`` through ctypes, or None."""
+  # (own prototypes: the shared ctypes.pythonapi functions stay as found)
   try:
     libc = ctypes.CDLL(None)
-    malloc, free = libc.malloc, libc.free
-    new_capsule = ctypes.pythonapi.PyCapsule_New
+    malloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(
+        ("malloc", libc))
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(("free", libc))
+    new_capsule = ctypes.PYFUNCTYPE(
+        ctypes.py_object, ctypes.c_void_p, ctypes.c_char_p,
+        ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
   except (OSError, AttributeError, TypeError):
     return None
-  malloc.argtypes, malloc.restype = (ctypes.c_size_t,), ctypes.c_void_p
-  free.argtypes, free.restype = (ctypes.c_void_p,), None
-  new_capsule.argtypes = (ctypes.c_void_p, ctypes.c_char_p, ctypes.c_void_p)
-  new_capsule.restype = ctypes.py_object
   return malloc, free, new_capsule
+
+
+_capsule_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object,
+                                     ctypes.c_char_p)(
+                                         ("PyCapsule_GetPointer",
+                                          ctypes.pythonapi))
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object,
+                                      ctypes.c_char_p)(
+                                          ("PyCapsule_IsValid",
+                                           ctypes.pythonapi))
 
 
 def _find_view_load():
@@ -352,20 +363,21 @@ class _DeviceViews:
   stream, which waits for jax's result: later torch work on that stream,
   a reuse of the freed buffer included, comes after jax's reads, as after
   a torch kernel's (a buffer freed on another stream needs
-  ``record_stream``, as for torch's own kernels).
+  ``record_stream``, as for torch's own kernels).  The views are private:
+  ``jax.live_arrays()`` lists them, and one read after its tensor is freed
+  reads freed memory.
   """
 
-  __slots__ = ("template", "ndim", "device", "dl_type", "load", "arrays")
-  CAPACITY = 16   # addresses kept a plan input (the first seen goes first)
+  __slots__ = ("template", "ndim", "device", "dl_type", "load", "arrays",
+               "lock")
+  CAPACITY = 16   # addresses kept a plan input (the least recently used go)
 
   def __init__(self, tensor: torch.Tensor, device, dl_type: int, load):
     """``load(capsule, device, dl_type)``: jax's C++ DLPack import."""
     # dtype and device as torch encodes them, from torch's own capsule
     capsule = torch._C._to_dlpack(tensor)
-    get = ctypes.pythonapi.PyCapsule_GetPointer
-    get.argtypes, get.restype = (ctypes.py_object, ctypes.c_char_p), \
-        ctypes.c_void_p
-    theirs = _DLManagedTensor.from_address(get(capsule, b"dltensor"))
+    theirs = _DLManagedTensor.from_address(
+        _capsule_pointer(capsule, b"dltensor"))
     head = _DLManagedTensor()
     head.dl_tensor.device[:] = theirs.dl_tensor.device[:]
     head.dl_tensor.dtype[:] = theirs.dl_tensor.dtype[:]
@@ -379,20 +391,23 @@ class _DeviceViews:
     self.device = device
     self.dl_type = dl_type
     self.load = load
-    self.arrays: dict = {}
+    self.arrays: dict = {}   # address -> array, least recently used first
+    self.lock = threading.Lock()
 
   def __call__(self, tensor: torch.Tensor):
     address = tensor.data_ptr()
-    array = self.arrays.get(address)
-    if array is None:
-      array = self._import(address)
-      if array.unsafe_buffer_pointer() != address:
-        # a copy (not seen: jax copies only unaligned CUDA buffers, which
-        # the plan clones first) would go stale: used once, not kept
+    with self.lock:
+      array = self.arrays.pop(address, None)
+      if array is not None:
+        self.arrays[address] = array   # (now the most recently used)
         return array
-      if len(self.arrays) >= self.CAPACITY:
-        del self.arrays[next(iter(self.arrays))]
+    array = self._import(address)
+    if array.unsafe_buffer_pointer() != address:
+      return array   # a copy (jax copies unaligned CPU buffers) goes stale
+    with self.lock:
       self.arrays[address] = array
+      while len(self.arrays) > self.CAPACITY:
+        del self.arrays[next(iter(self.arrays))]
     return array
 
   def _import(self, address: int):
@@ -408,13 +423,16 @@ class _DeviceViews:
     view.dl_tensor.shape = dims
     view.dl_tensor.strides = dims + 8 * self.ndim
     del view
-    capsule = new_capsule(block, b"dltensor", None)
+    try:
+      capsule = new_capsule(block, b"dltensor", None)
+    except BaseException:
+      free(block)
+      raise
     try:
       return self.load(capsule, self.device, self.dl_type)
     except BaseException:
       # (a consumed capsule is renamed; an unconsumed one owns the block)
-      if ctypes.pythonapi.PyCapsule_IsValid(ctypes.py_object(capsule),
-                                            b"dltensor"):
+      if _capsule_is_valid(capsule, b"dltensor"):
         free(block)
       raise
 
@@ -665,13 +683,14 @@ class _Plan:
       # of it, and the wait has no side effect XLA knows of)
       return out if token is None else (out, token)
 
-    try:
-      args, _, _, _ = self.inputs(tensors, lens)
-    except Exception:  # pylint: disable=broad-except
-      if self.views is None:
-        raise
-      self.views = None   # this jax refuses the views: DLPack's own import
-      args, _, _, _ = self.inputs(tensors, lens)
+    if self.views is not None:
+      try:   # this jax takes the views, or DLPack's own import it is
+        for t, r, views in zip(tensors, self.recipes, self.views):
+          if views is not None and not _crossed(t, r).data_ptr() % 16:
+            views(_crossed(t, r))
+      except Exception:  # pylint: disable=broad-except
+        self.views = None
+    args, _, _, _ = self.inputs(tensors, lens)
     with _jax_device(torch_device):
       self.compiled = jax.jit(traced).lower(*args).compile()
 
@@ -692,11 +711,16 @@ class _Plan:
         # jax would copy it at the import, on its stream, before the
         # fence's wait: torch copies it, after the work that wrote it
         t = t.clone()
+      held.append(t)
+      array = None
       if self.views is not None:
-        held.append(t)
-        args.append(self.views[i](t))
-      else:   # (no stream: the fence orders jax's reads after torch's work)
-        args.append(_to_jax(t, self.device, None, self.dl_type))
+        try:
+          array = self.views[i](t)
+        except Exception:  # pylint: disable=broad-except
+          pass   # DLPack's own import, as _to_jax falls back to jax's
+      if array is None:   # (no stream: the fence orders jax's reads)
+        array = _to_jax(t, self.device, None, self.dl_type)
+      args.append(array)
     if lens is not None:
       args.append(lens)
     if self.cuda is None:
@@ -965,15 +989,32 @@ def _clear_plans() -> None:
     cache.clear()
 
 
-def _direct_call(plan, tensors, lens, return_int8, return_lse):
-  """``plan`` on the tensors, its outputs as torch tensors."""
+def _run(plan, tensors, lens, export):
+  """``export(jax outputs, torch stream)`` of ``plan`` on the tensors.  The
+  tensors that the inputs view stay referenced until it returns (torch's
+  stream then waits for jax's result) or, where it raises, until jax's
+  outputs are ready."""
   out, stream, _held = plan(tensors, lens)
+  try:
+    return export(out, stream)
+  except BaseException:
+    jax.block_until_ready(out)
+    raise
+
+
+def _export_direct(out, stream, return_int8, return_lse):
   if return_int8:
     return tuple(_to_torch(x, stream) for x in out)
   if return_lse:
     return _to_torch(out[0], stream), _to_torch(out[1], stream).transpose(
         1, 2)
   return _to_torch(out, stream)
+
+
+def _direct_call(plan, tensors, lens, return_int8, return_lse):
+  """``plan`` on the tensors, its outputs as torch tensors."""
+  return _run(plan, tensors, lens, lambda out, stream: _export_direct(
+      out, stream, return_int8, return_lse))
 
 
 def _options_key(options: dict):
@@ -1128,10 +1169,11 @@ def _attention_forward(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
         implementation=implementation, scale=sm_scale, is_causal=is_causal,
         options=json.loads(options), window=window, alignment=alignment,
         need_lse=need_lse))
-  out, stream, _held = plan(tensors, lens)
-  if need_lse:
-    return _to_torch(out[0], stream), _to_torch(out[1], stream)
-  return _to_torch(out, stream), q.new_empty((0,), dtype=torch.float32)
+  def export(out, stream):
+    if need_lse:
+      return _to_torch(out[0], stream), _to_torch(out[1], stream)
+    return _to_torch(out, stream), q.new_empty((0,), dtype=torch.float32)
+  return _run(plan, tensors, lens, export)
 
 
 def _shapes(q, v, layout):
@@ -1196,10 +1238,11 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
     plan = _store(_OP_PLANS, key, _backward_plan(
         tensors, lens, layout=layout, scale=sm_scale, is_causal=is_causal,
         window=window, alignment=alignment))
-  grads, stream, _held = plan(tensors, lens)
-  dbias = (q.new_empty((0,)) if grads[3] is None
-           else _to_torch(grads[3], stream))
-  return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
+  def export(grads, stream):
+    dbias = (q.new_empty((0,)) if grads[3] is None
+             else _to_torch(grads[3], stream))
+    return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
+  return _run(plan, tensors, lens, export)
 
 
 @_attention_backward_op.register_fake

@@ -222,6 +222,26 @@ def test_device_views_follow_the_buffer_and_own_nothing():
   assert sums == [240.0 * i for i in range(len(kept))]
   assert len(views.arrays) == views.CAPACITY
   assert set(views.arrays) == {x.data_ptr() for x in kept[5:]}
+  views(kept[5])                    # a hit makes it the most recent
+  views(kept[0])                    # ... so a miss evicts kept[6]
+  assert kept[5].data_ptr() in views.arrays
+  assert kept[6].data_ptr() not in views.arrays
+  errors = []
+
+  def hammer(offset):               # threads share a plan's views
+    try:
+      for i in range(200):
+        x = kept[(offset + i) % len(kept)]
+        assert views(x).unsafe_buffer_pointer() == x.data_ptr()
+    except Exception as e:  # pylint: disable=broad-except
+      errors.append(e)
+
+  threads = [threading.Thread(target=hammer, args=(j,)) for j in range(8)]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+  assert errors == [] and len(views.arrays) <= views.CAPACITY
   del views, sums
   import gc
   gc.collect()
@@ -677,6 +697,7 @@ def test_cuda_views_read_the_buffer_after_a_reuse():
   side = torch.cuda.Stream()
   base = torch.randn(2, 4, 256, 64, device="cuda")
   k, v = base.flip(2).half(), base.flip(3).half()
+  jt._clear_plans()
   jt.attention(base.half(), k, v, method="fp32")   # plan once
   torch.cuda.synchronize()
   with torch.cuda.stream(side):
