@@ -32,11 +32,11 @@ and compiled once (``jax.jit(...).lower(...).compile()``, kept in a dict,
 :class:`_Plan`); a call with a known signature imports its tensors through
 jax's DLPack core (``dlpack_managed_tensor_to_buffer``, not the Python of
 ``jax.dlpack.from_dlpack``; where jax has only CPUs as numpy views, which
-the executable's argument path aliases; on CUDA once per buffer address,
-as views that own nothing, :class:`_DeviceViews`), runs the compiled
-executable and exports its output with ``torch.from_dlpack``.  Without a gradient to
-record (grad mode off, or no input requires grad) that is all; otherwise
-the call goes through the operator below.
+the executable's argument path aliases; otherwise once per buffer
+address, as views that own nothing, :class:`_DeviceViews`), runs the
+compiled executable and exports its output with ``torch.from_dlpack``.
+Without a gradient to record (grad mode off, or no input requires grad)
+that is all; otherwise the call goes through the operator below.
 
 Autograd and ``torch.compile``: the custom operator
 ``torch.ops.jaxattn.attention`` (``torch.library.custom_op``, with a fake
@@ -351,16 +351,18 @@ _view_load = _UNSET   # _find_view_load's answer, found at the first plan
 
 
 class _DeviceViews:
-  """jax arrays viewing one plan input's CUDA buffers, by address, that own
-  no memory: a repeat call on a buffer seen before reuses its array, with
-  no DLPack import (on the H200's host 9-12 us a tensor, and the
-  executable costs more on fresh imports than on arrays it has run on).
+  """jax arrays viewing one plan input's buffers, by address, that own no
+  memory (CUDA tensors, and CPU tensors where jax has a GPU): a repeat
+  call on a buffer seen before reuses its array, with no DLPack import (on
+  the H200's host 9-12 us a tensor, and the executable costs more on fresh
+  imports than on arrays it has run on).
 
   Each array comes from a DLPack capsule built here whose deleter is libc's
   ``free`` of the capsule itself (no torch reference, no GIL).  A plan
   fixes shape, strides and dtype, so the address names the view.  The
-  caller keeps the tensor alive until the outputs are exported on torch's
-  stream, which waits for jax's result: later torch work on that stream,
+  caller keeps the tensor alive until the outputs are exported (on the CPU
+  once jax's result is ready; on CUDA on torch's stream, which waits for
+  it): later torch work on that stream,
   a reuse of the freed buffer included, comes after jax's reads, as after
   a torch kernel's (a buffer freed on another stream needs
   ``record_stream``, as for torch's own kernels).  The views are private:
@@ -655,7 +657,7 @@ class _Plan:
       metas.append((axes, float8))
     self.recipes = tuple(recipes)
     self.views = None
-    if self.cuda is not None:
+    if not host_views:   # (CUDA, and a GPU host's CPU tensors)
       global _view_load
       if _view_load is _UNSET:
         _view_load = _find_view_load()

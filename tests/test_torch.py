@@ -248,6 +248,46 @@ def test_device_views_follow_the_buffer_and_own_nothing():
   assert all(float(x[0, 0, 0]) == i for i, x in enumerate(kept))
 
 
+def test_plans_with_views_read_each_call_s_tensors(monkeypatch):
+  """Plans whose inputs are views that own nothing (CUDA's, and a GPU
+  host's CPU tensors: this host made to look like one): repeat calls on the
+  same buffers, in-place writes, freed and reused buffers, more buffers
+  than a plan keeps, the log-sum-exp and autograd all give each call its
+  own tensors' results."""
+  monkeypatch.setattr(jt, "_jax_has_gpu", lambda: True)
+  jt._clear_plans()
+  try:
+    def check(q, k, v):
+      out, lse = jt.attention(q, k, v, return_lse=True, **REF)
+      torch.testing.assert_close(out, sdpa(q, k, v), atol=1e-5, rtol=1e-5)
+      scores = torch.einsum("bnth,bnsh->bnts", q,
+                            k.repeat_interleave(N // K, 1)) / H ** 0.5
+      torch.testing.assert_close(lse, torch.logsumexp(scores, -1),
+                                 atol=1e-5, rtol=1e-5)
+
+    q, k, v = hnd(30)
+    check(q, k, v)
+    plan = list(jt._DIRECT.values())[-1]
+    assert plan.views is not None and all(plan.views[:3])
+    arrays = dict(plan.views[0].arrays)
+    check(q, k, v)                           # the same buffers: hits
+    assert plan.views[0].arrays == arrays
+    q.mul_(-2.0)                             # written in place
+    check(q, k, v)
+    for seed in range(2 * jt._DeviceViews.CAPACITY):   # new and reused
+      check(*hnd(100 + seed))
+    assert len(plan.views[0].arrays) <= jt._DeviceViews.CAPACITY
+    tensors = [x.clone().requires_grad_() for x in hnd(31)]
+    w = torch.randn(B, N, T, H)
+    got = _grads(lambda *t: jt.attention(*t, is_causal=True, **REF),
+                 tensors, w)
+    want = _grads(lambda *t: sdpa(*t, is_causal=True), tensors, w)
+    for a, b in zip(got, want):
+      assert ((a - b).norm() / b.norm()).item() < GRAD_RTOL
+  finally:
+    jt._clear_plans()
+
+
 @pytest.mark.parametrize("grad", [False, True], ids=["direct", "operator"])
 def test_zero_copy_output_side(monkeypatch, grad):
   exported = []
@@ -289,6 +329,7 @@ def _count_calls(monkeypatch, eager=True):
     monkeypatch.setattr(owner, name, counted)
 
   wrap(jt, "_to_jax", "import")
+  wrap(jt._DeviceViews, "__call__", "import")   # (a view, hit or not)
   wrap(jt, "_host_view", "import")   # (a CPU tensor as a numpy view)
   wrap(jax.dlpack, "from_dlpack", "jax.dlpack.from_dlpack")
   wrap(torch, "from_dlpack", "export")
@@ -331,9 +372,11 @@ def _second_call_cases():
           ("autograd", autograd, 3 + 5, 2 + 3, 1)]
 
 
+@pytest.mark.parametrize("gpu_host", [False, True],
+                         ids=["this_host", "as_a_gpu_host"])
 @pytest.mark.parametrize("case", _second_call_cases(), ids=lambda c: c[0])
 def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
-    monkeypatch, case):
+    monkeypatch, case, gpu_host):
   """The structure that makes a call cheap: the second call of a signature
   checks nothing, traces and compiles nothing, imports each input tensor
   once (a numpy view on the CPU, else jax's core DLPack import; never
@@ -341,6 +384,9 @@ def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
   exports each output once, and goes through the custom operator only
   where autograd needs it; its results are those of a fresh call."""
   name, call, n_in, n_out, n_op = case
+  jt._clear_plans()
+  if gpu_host:   # CPU tensors as on a GPU host: views that own nothing
+    monkeypatch.setattr(jt, "_jax_has_gpu", lambda: True)
   first = call(0)
   counts = _count_calls(monkeypatch)
   second = call(1)
@@ -351,7 +397,11 @@ def test_second_call_compiles_nothing_and_crosses_dlpack_per_tensor(
       {"import": n_in, "export": n_out, "operator": n_op}), counts
   monkeypatch.undo()
   jt._clear_plans()
+  if gpu_host:
+    monkeypatch.setattr(jt, "_jax_has_gpu", lambda: True)
   fresh = call(1)   # checked, traced and compiled anew
+  monkeypatch.undo()
+  jt._clear_plans()
   assert _JAX_COMPILES
   for a, b in zip(*(x if isinstance(x, tuple) else (x,)
                     for x in (second, fresh))):
@@ -364,9 +414,10 @@ def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
   """A call imports a permuted view as its tensor's buffer (no copy), every
   call of its signature; a view with gaps is copied (once a call).  Where
   jax has only CPUs the executable takes a numpy view of the buffer, which
-  it aliases (bfloat16 as its bits); on a GPU host, jax's DLPack import."""
+  it aliases (bfloat16 as its bits); on a GPU host, a view that owns
+  nothing (:class:`jaxattn.torch._DeviceViews`)."""
   imported, views = [], []
-  crossing = "_to_jax" if jt._jax_has_gpu() else "_host_view"
+  crossing = "_DeviceViews" if jt._jax_has_gpu() else "_host_view"
 
   def spy(name):
     fn = getattr(jt, name)
@@ -381,6 +432,15 @@ def test_calls_share_views_and_copy_only_gapped_tensors(monkeypatch):
 
   spy("_to_jax")
   spy("_host_view")
+  call_view = jt._DeviceViews.__call__
+
+  def spied_view(self, tensor):
+    out = call_view(self, tensor)
+    imported.append(("_DeviceViews", tensor.data_ptr()))
+    views.append(out)
+    return out
+
+  monkeypatch.setattr(jt._DeviceViews, "__call__", spied_view)
   for seed in (0, 1):   # the call that plans and one that reuses the plan
     q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2)
                for x in hnd(seed))   # HND views of NHD buffers
