@@ -207,26 +207,32 @@ def _jax_device_for(device: torch.device):
   return found
 
 
+def _core_import_forms():
+  """jax's C++ DLPack import as ``f(capsule, jax_device, stream,
+  dl_device_type)``, in each form jax has had: (capsule, device, stream,
+  copy, dl device type), older the first 3.  Empty without it."""
+  core = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
+  if core is None:
+    return ()
+  return (lambda capsule, device, stream, dl_type: core(
+              capsule, device, stream, None, dl_type),
+          lambda capsule, device, stream, dl_type: core(
+              capsule, device, stream))
+
+
 def _find_importer():
   """``f(tensor, jax_device, stream, dl_device_type)``: jax's C++ DLPack
   import of a dense tensor (what ``jax.dlpack.from_dlpack`` does after its
   Python look-ups), or None where this jax and torch have no form of it
   that imports a probe tensor correctly."""
-  core = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
-  if core is None:
-    return None
   exports = [getattr(torch._C, n, None)
              for n in ("_to_dlpack_versioned", "_to_dlpack")]
   probe = torch.arange(4, dtype=torch.float32)
   cpu = jax.devices("cpu")[0]
   for export in filter(None, exports):
-    # (capsule, device, stream, copy, dl device type); older: the first 3
-    candidates = (
-        lambda t, device, stream, dl_type, export=export: core(
-            export(t), device, stream, None, dl_type),
-        lambda t, device, stream, dl_type, export=export: core(
-            export(t), device, stream))
-    for importer in candidates:
+    for form in _core_import_forms():
+      importer = (lambda t, device, stream, dl_type, export=export,
+                  form=form: form(export(t), device, stream, dl_type))
       try:
         array = importer(probe, cpu, None, 1)
         if (isinstance(array, jax.Array) and array.dtype == jnp.float32
@@ -327,15 +333,14 @@ def _find_view_load():
   :class:`_DeviceViews`: jax's C++ import, in the form this jax takes,
   or None where no form imports a probe tensor as a view of its memory."""
   global _LIBC
-  core = getattr(_jaxlib, "dlpack_managed_tensor_to_buffer", None)
   _LIBC = _find_libc()
-  if core is None or _LIBC is None:
+  if _LIBC is None:
     return None
   probe = torch.arange(12, dtype=torch.float32).reshape(3, 4)
   cpu = jax.devices("cpu")[0]
-  for load in (lambda capsule, device, dl_type: core(capsule, device, None,
-                                                     None, dl_type),
-               lambda capsule, device, dl_type: core(capsule, device, None)):
+  for form in _core_import_forms():
+    load = (lambda capsule, device, dl_type, form=form:
+            form(capsule, device, None, dl_type))
     try:
       array = _DeviceViews(probe, cpu, 1, load)(probe)
       if (array.unsafe_buffer_pointer() == probe.data_ptr()
