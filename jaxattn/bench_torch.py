@@ -17,7 +17,8 @@ after a 50 ms pause.
 jitted JAX call's (``jax.jit`` of the same transposes and
 ``jaxattn.dot_product_attention`` on jax arrays sharing the tensors'
 memory); at the tiny shape also with ``FRESH_SETS`` input sets in turn,
-more buffers than a CUDA plan keeps views of (every call imports anew).
+more buffers than a CUDA plan keeps views of (every call imports anew,
+the case of buffers the plan has not seen).
 ``thread_us`` (and ``overhead_thread_us``) is the calling
 thread's CPU time per call over the same rounds: the host's work without
 the waits, which other processes on a shared machine disturb less (on a
@@ -71,7 +72,7 @@ GPU_LARGE = [((2, 24, 4096, 64), False, "image DiT"),
 GPU_COMPILE = [((2, 24, 4096, 64), False), ((1, 32, 8192, 128), True)]
 CPU_TINY = (1, 2, 16, 16)
 ROUND_SECONDS = 0.3   # a round at the large shapes lasts about this long
-FRESH_SETS = 32       # tiny shape: input sets in turn, > a plan's views
+FRESH_SETS = 96       # tiny shape: input sets in turn, > a plan's views
 PAUSE_SECONDS = 0.05  # before each round
 HUNG_EXIT_CODE = 3
 

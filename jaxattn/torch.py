@@ -342,7 +342,7 @@ def _find_view_load():
     load = (lambda capsule, device, dl_type, form=form:
             form(capsule, device, None, dl_type))
     try:
-      array = _DeviceViews(probe, cpu, 1, load)(probe)
+      array = _DeviceViews(probe, cpu, 1, load).make(probe.data_ptr())
       if (array.unsafe_buffer_pointer() == probe.data_ptr()
           and np.array_equal(np.asarray(array), probe.numpy())):
         return load
@@ -358,7 +358,7 @@ _view_load = _UNSET   # _find_view_load's answer, found at the first plan
 class _DeviceViews:
   """jax arrays viewing one plan input's buffers, by address, that own no
   memory (CUDA tensors, and CPU tensors where jax has a GPU): a repeat
-  call on a buffer seen before reuses its array, with no DLPack import (on
+  call on a buffer called before reuses its array, with no DLPack import (on
   the H200's host 9-12 us a tensor, and the executable costs more on fresh
   imports than on arrays it has run on).
 
@@ -376,8 +376,13 @@ class _DeviceViews:
   """
 
   __slots__ = ("template", "ndim", "device", "dl_type", "load", "arrays",
-               "lock")
-  CAPACITY = 16   # addresses kept a plan input (the least recently used go)
+               "seen", "lock")
+  # Addresses kept a plan input, the least recently used evicted.  A view
+  # is made on an address's second call within the last CAPACITY new ones:
+  # a miss that makes a view costs more than DLPack's import (H200, tiny
+  # call, 24 sets in turn over 16 kept: +2 to +74 us a call), so buffers
+  # seen once, or cycling through more than CAPACITY, keep the import.
+  CAPACITY = 64
 
   def __init__(self, tensor: torch.Tensor, device, dl_type: int, load):
     """``load(capsule, device, dl_type)``: jax's C++ DLPack import."""
@@ -399,16 +404,25 @@ class _DeviceViews:
     self.dl_type = dl_type
     self.load = load
     self.arrays: dict = {}   # address -> array, least recently used first
+    self.seen: dict = {}     # addresses called once, oldest first
     self.lock = threading.Lock()
 
   def __call__(self, tensor: torch.Tensor):
+    """The view of ``tensor``'s buffer, or None on the first call with its
+    address (the caller imports it)."""
     address = tensor.data_ptr()
     with self.lock:
       array = self.arrays.pop(address, None)
       if array is not None:
         self.arrays[address] = array   # (now the most recently used)
         return array
-    array = self._import(address)
+      if address not in self.seen:
+        self.seen[address] = None
+        if len(self.seen) > self.CAPACITY:
+          del self.seen[next(iter(self.seen))]
+        return None
+      del self.seen[address]
+    array = self.make(address)
     if array.unsafe_buffer_pointer() != address:
       return array   # a copy (jax copies unaligned CPU buffers) goes stale
     with self.lock:
@@ -417,7 +431,8 @@ class _DeviceViews:
         del self.arrays[next(iter(self.arrays))]
     return array
 
-  def _import(self, address: int):
+  def make(self, address: int):
+    """A new view of the buffer at ``address``, not kept."""
     malloc, free, new_capsule = _LIBC
     size = len(self.template)
     block = malloc(size)
@@ -694,7 +709,7 @@ class _Plan:
       try:   # this jax takes the views, or DLPack's own import it is
         for t, r, views in zip(tensors, self.recipes, self.views):
           if views is not None and not _crossed(t, r).data_ptr() % 16:
-            views(_crossed(t, r))
+            views.make(_crossed(t, r).data_ptr())
       except Exception:  # pylint: disable=broad-except
         self.views = None
     args, _, _, _ = self.inputs(tensors, lens)
