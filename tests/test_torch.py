@@ -784,11 +784,15 @@ def test_cuda_views_read_the_buffer_after_a_reuse():
   jt.attention(base.half(), k, v, method="fp32")   # plan once
   torch.cuda.synchronize()
   with torch.cuda.stream(side):
+    q = (base * 2).half()
+    address = q.data_ptr()
+    # the address's first call imports (DLPack's import holds the tensor
+    # until jax is done); from its second on, a view
+    jt.attention(q, k, v, method="fp32")
+    torch.cuda.synchronize()
     torch.cuda._sleep(200_000_000)   # ~0.1 s
     slept = torch.cuda.Event()
     slept.record(side)
-    q = (base * 2).half()
-    address = q.data_ptr()
     first = jt.attention(q, k, v, method="fp32")
     del q                            # its block goes back to side's pool
     q = (base * 3).half()            # ... and is taken again
