@@ -9,7 +9,10 @@ CUDA build of jax).
 
 Layouts: ``"HND"`` is ``[batch, heads, seq, head_dim]`` (torch SDPA,
 SageAttention), ``"NHD"`` is ``[batch, seq, heads, head_dim]`` (jaxattn's
-BTNH).  Every transpose happens inside the one compiled JAX call.
+BTNH).  Every transpose happens inside the one compiled JAX call.  Outputs
+and gradients keep their inputs' memory order, as torch SDPA's flash
+output follows the query's (:func:`_memory_order`): a model's HND views of
+``[B, T, N, H]`` buffers cross, and come back, with no transpose at all.
 
 What crosses DLPack and how:
 
@@ -70,6 +73,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import json
 import threading
 
@@ -602,6 +606,33 @@ def _dense_layout(tensor: torch.Tensor):
   return (None if order == sorted(order) else tuple(order)), False, axes
 
 
+def _memory_order(tensor: torch.Tensor):
+  """The axes of ``tensor`` from the largest stride to the smallest, where
+  it is a permuted view of a dense buffer with its last axis innermost;
+  else (or in order already) None.  The forward's output follows it, as
+  torch SDPA's flash output follows the query's stride order: a query
+  that is a ``[B, T, N, H]`` buffer seen as HND gives an output that is
+  one too, so neither jax nor the caller's ``transpose(1, 2).reshape``
+  copies it."""
+  perm, copy, _ = _dense_layout(tensor)
+  return None if copy or perm is None or perm[-1] != tensor.ndim - 1 else perm
+
+
+def _in_memory_order(array, order):
+  """Inside jit: ``array`` (the output's axes) as its memory order's."""
+  return array if order is None else jnp.transpose(array, order)
+
+
+def _from_memory_order(tensor: torch.Tensor, order) -> torch.Tensor:
+  """The exported output's axes back from its memory order (a view)."""
+  return tensor if order is None else tensor.permute(_inverse(order))
+
+
+@functools.lru_cache(maxsize=None)
+def _inverse(order: tuple) -> tuple:
+  return tuple(order.index(i) for i in range(len(order)))
+
+
 def _import_tensor(tensor: torch.Tensor):
   """A tensor as a jax array that shares its memory (one-off; calls use
   :class:`_Plan`).
@@ -651,13 +682,15 @@ class _Plan:
   kernel waits for that post.
   """
 
-  __slots__ = ("recipes", "views", "compiled", "device", "dl_type", "cuda")
+  __slots__ = ("recipes", "views", "compiled", "device", "dl_type", "cuda",
+               "out_order")
 
   def __init__(self, body, tensors, lens, to):
     torch_device = next(t for t in tensors if t is not None).device
     self.device = _jax_device_for(torch_device)
     self.cuda = torch_device.index if torch_device.type == "cuda" else None
     self.dl_type = 2 if self.cuda is not None else 1   # kDLCUDA, kDLCPU
+    self.out_order = None   # (the forward's: its output's memory order)
     # numpy views where jax's only devices are CPUs (the case measured; a
     # GPU host's CPU tensors keep the import, which names the CPU device)
     host_views = self.cuda is None and not _jax_has_gpu()
@@ -798,10 +831,15 @@ def _bias_and_mask(attn_mask):
 def _forward_plan(tensors, lens, *, layout, method, implementation, scale,
                   is_causal, options, window, alignment, need_lse):
   """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
-  kv_segment_ids)``: the output in the tensors' layout; with ``need_lse``
+  kv_segment_ids)``: the output in the tensors' layout (exported in q's
+  memory order: :func:`_memory_order`, ``plan.out_order``); with ``need_lse``
   also the float32 log-sum-exp ``[B, T, N]``; ``fmha_int8`` with
   ``return_int8``: ``(int8 output, its scale)``."""
   to_layout = LAYOUTS[layout]
+  order = _memory_order(tensors[0])
+
+  def output(x):   # [B, T, N, H] -> the layout's axes, in q's memory order
+    return _in_memory_order(jnp.transpose(x, to_layout), order)
 
   def body(arrays, kv_lens):
     q, k, v, attn_mask, q_lens, q_seg, kv_seg = arrays
@@ -814,12 +852,14 @@ def _forward_plan(tensors, lens, *, layout, method, implementation, scale,
         kv_segment_ids=kv_seg, local_window_size=window,
         causal_alignment=alignment, **options)
     if need_lse:   # (output, log-sum-exp [B, T, N])
-      return jnp.transpose(out[0], to_layout), out[1]
+      return output(out[0]), out[1]
     if isinstance(out, tuple):  # (int8 output, its scale)
-      return (jnp.transpose(out[0], to_layout), *out[1:])
-    return jnp.transpose(out, to_layout)
+      return (output(out[0]), *out[1:])
+    return output(out)
 
-  return _Plan(body, tensors, lens, (to_layout,) * 3 + (None,) * 4)
+  plan = _Plan(body, tensors, lens, (to_layout,) * 3 + (None,) * 4)
+  plan.out_order = order
+  return plan
 
 
 def _sum_to(x, shape):
@@ -834,10 +874,12 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
                    alignment):
   """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
   kv_segment_ids, lse, dout, out)``: ``(dq, dk, dv, dbias)`` in the
-  tensors' layout (dbias shaped like the float ``attn_mask``, or None);
+  tensors' layout, each in its tensor's memory order (``plan.out_order``;
+  dbias shaped like the float ``attn_mask``, or None);
   ``out``, the forward's output, or None."""
   to_layout = LAYOUTS[layout]
   on_gpu = tensors[0].device.type == "cuda"
+  orders = [_memory_order(t) for t in tensors[:3]]   # (as the fake's)
 
   def body(arrays, kv_lens):
     q, k, v, attn_mask, q_lens, q_seg, kv_seg, lse, dout, out = arrays
@@ -859,12 +901,14 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
         q, k, v, bias, mask, kv_lens, None if lse.size == 0 else lse, dout,
         scale=base.default_scale(d) if scale is None else scale,
         is_causal=is_causal, on_gpu=on_gpu, out=out, index_mask=index_mask)
-    return (jnp.transpose(dq, to_layout), jnp.transpose(dk, to_layout),
-            jnp.transpose(dv, to_layout),
+    return (*(_in_memory_order(jnp.transpose(g, to_layout), o)
+              for g, o in zip((dq, dk, dv), orders)),
             None if dbias is None else _sum_to(dbias, bias_shape))
 
-  return _Plan(body, tensors, lens,
+  plan = _Plan(body, tensors, lens,
                (to_layout,) * 3 + (None,) * 5 + (to_layout,) * 2)
+  plan.out_order = orders
+  return plan
 
 
 # --- the public functions -------------------------------------------------
@@ -1024,19 +1068,20 @@ def _run(plan, tensors, lens, export):
     raise
 
 
-def _export_direct(out, stream, return_int8, return_lse):
+def _export_direct(out, stream, return_int8, return_lse, order):
   if return_int8:
-    return tuple(_to_torch(x, stream) for x in out)
+    return (_from_memory_order(_to_torch(out[0], stream), order),
+            *(_to_torch(x, stream) for x in out[1:]))
   if return_lse:
-    return _to_torch(out[0], stream), _to_torch(out[1], stream).transpose(
-        1, 2)
-  return _to_torch(out, stream)
+    return (_from_memory_order(_to_torch(out[0], stream), order),
+            _to_torch(out[1], stream).transpose(1, 2))
+  return _from_memory_order(_to_torch(out, stream), order)
 
 
 def _direct_call(plan, tensors, lens, return_int8, return_lse):
   """``plan`` on the tensors, its outputs as torch tensors."""
   return _run(plan, tensors, lens, lambda out, stream: _export_direct(
-      out, stream, return_int8, return_lse))
+      out, stream, return_int8, return_lse, plan.out_order))
 
 
 def _options_key(options: dict):
@@ -1191,10 +1236,14 @@ def _attention_forward(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
         implementation=implementation, scale=sm_scale, is_causal=is_causal,
         options=json.loads(options), window=window, alignment=alignment,
         need_lse=need_lse))
+  order = plan.out_order
+
   def export(out, stream):
     if need_lse:
-      return _to_torch(out[0], stream), _to_torch(out[1], stream)
-    return _to_torch(out, stream), q.new_empty((0,), dtype=torch.float32)
+      return (_from_memory_order(_to_torch(out[0], stream), order),
+              _to_torch(out[1], stream))
+    return (_from_memory_order(_to_torch(out, stream), order),
+            q.new_empty((0,), dtype=torch.float32))
   return _run(plan, tensors, lens, export)
 
 
@@ -1210,8 +1259,12 @@ def _attention_fake(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
                     is_causal, options, index_static, need_lse):
   out_shape, lse_shape = _shapes(q, v, layout)
   dtype = torch.float16 if q.dtype in _FLOAT8 else q.dtype
-  return (q.new_empty(out_shape, dtype=dtype),
-          q.new_empty(lse_shape if need_lse else (0,), dtype=torch.float32))
+  order = _memory_order(q)   # (the real output's strides: q's order)
+  out = (q.new_empty(out_shape, dtype=dtype) if order is None else
+         _from_memory_order(q.new_empty([out_shape[i] for i in order],
+                                        dtype=dtype), order))
+  return out, q.new_empty(lse_shape if need_lse else (0,),
+                          dtype=torch.float32)
 
 
 # The forward twice: ``jaxattn::attention`` carries autograd (its backward
@@ -1263,7 +1316,8 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
   def export(grads, stream):
     dbias = (q.new_empty((0,)) if grads[3] is None
              else _to_torch(grads[3], stream))
-    return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
+    return (*(_from_memory_order(_to_torch(g, stream), o)
+              for g, o in zip(grads[:3], plan.out_order)), dbias)
   return _run(plan, tensors, lens, export)
 
 
@@ -1272,7 +1326,10 @@ def _attention_backward_fake(q, k, v, attn_mask, kv_lens, q_lens,
                              q_segment_ids, kv_segment_ids, lse, dout, out,
                              layout, sm_scale, is_causal, index_static):
   has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
-  return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
+  grads = tuple(x.new_empty(x.shape) if o is None else _from_memory_order(
+      x.new_empty([x.shape[i] for i in o]), o)
+                for x, o in ((x, _memory_order(x)) for x in (q, k, v)))
+  return (*grads,
           torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
 
 

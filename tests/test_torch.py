@@ -541,6 +541,51 @@ def _grads(fn, tensors, w):
   return torch.autograd.grad((fn(*tensors) * w).sum(), tensors)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_outputs_follow_the_inputs_memory_order(compiled):
+  """As torch SDPA's flash output follows the query's stride order: HND
+  views of ``[B, T, N, H]`` buffers (a model's ``view(B, T, N, H)
+  .transpose(1, 2)``) give an output, and gradients, that are such views
+  too (no copy on either side), contiguous HND gives contiguous HND, with
+  the contiguous inputs' values, without and with gradients.  Compiled, a
+  model's ``transpose(1, 2).reshape`` of the output gives eager's values
+  (it would not, were the fake output's strides not the real ones)."""
+  dense = hnd(14)
+  buffers = [x.transpose(1, 2).contiguous().requires_grad_() for x in dense]
+  attn = lambda q, k, v: jt.sageattn(q, k, v, is_causal=True, **REF)
+  w = torch.randn(B, N, T, H, generator=torch.Generator().manual_seed(2))
+  with torch.no_grad():
+    want = attn(*dense)
+    assert want.is_contiguous()
+    out = attn(*(x.transpose(1, 2) for x in buffers))
+  assert out.shape == want.shape and out.transpose(1, 2).is_contiguous()
+  assert torch.equal(out, want)
+  views = [x.transpose(1, 2) for x in buffers]   # (not leaves: their grads)
+  out = attn(*views)
+  assert out.transpose(1, 2).is_contiguous() and torch.equal(out, want)
+  grads = torch.autograd.grad((out * w).sum(), views)
+  leaves = [x.clone().requires_grad_() for x in dense]
+  want_grads = _grads(attn, leaves, w)
+  for got, ref in zip(grads, want_grads):
+    assert ref.is_contiguous()
+    assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+  if not compiled:
+    return
+
+  def model(q, k, v):   # [B, T, N, H] in, [B, T, N * H] out
+    out = attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out.transpose(1, 2).reshape(B, T, N * H) * 2.0
+
+  eager = _grads(model, buffers, w.transpose(1, 2).reshape(B, T, N * H))
+  fused = torch.compile(model, fullgraph=True)
+  got = _grads(fused, buffers, w.transpose(1, 2).reshape(B, T, N * H))
+  with torch.no_grad():
+    assert torch.equal(fused(*buffers), model(*buffers))
+  for a, b in zip(got, eager):
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 # Gradients against SDPA's float32 autograd: measured max relative L2
 # 3.1e-7 (the exact gradient at the inputs, for every method).
 GRAD_RTOL = 1e-5
