@@ -73,7 +73,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import json
 import threading
 
@@ -623,14 +622,20 @@ def _in_memory_order(array, order):
   return array if order is None else jnp.transpose(array, order)
 
 
+def _op_order(shape, order) -> list:
+  """``shape`` in memory ``order`` (:func:`_memory_order`)."""
+  return list(shape) if order is None else [shape[i] for i in order]
+
+
+def _inverse(order) -> tuple | None:
+  """The permutation that undoes ``order`` (None for None)."""
+  return None if order is None else tuple(order.index(i)
+                                          for i in range(len(order)))
+
+
 def _from_memory_order(tensor: torch.Tensor, order) -> torch.Tensor:
-  """The exported output's axes back from its memory order (a view)."""
+  """A tensor in memory ``order`` back to its own axes (a view)."""
   return tensor if order is None else tensor.permute(_inverse(order))
-
-
-@functools.lru_cache(maxsize=None)
-def _inverse(order: tuple) -> tuple:
-  return tuple(order.index(i) for i in range(len(order)))
 
 
 def _import_tensor(tensor: torch.Tensor):
@@ -683,14 +688,15 @@ class _Plan:
   """
 
   __slots__ = ("recipes", "views", "compiled", "device", "dl_type", "cuda",
-               "out_order")
+               "out_axes")
 
   def __init__(self, body, tensors, lens, to):
     torch_device = next(t for t in tensors if t is not None).device
     self.device = _jax_device_for(torch_device)
     self.cuda = torch_device.index if torch_device.type == "cuda" else None
     self.dl_type = 2 if self.cuda is not None else 1   # kDLCUDA, kDLCPU
-    self.out_order = None   # (the forward's: its output's memory order)
+    # (a forward's: its output's axes back from q's memory order)
+    self.out_axes = None
     # numpy views where jax's only devices are CPUs (the case measured; a
     # GPU host's CPU tensors keep the import, which names the CPU device)
     host_views = self.cuda is None and not _jax_has_gpu()
@@ -831,10 +837,10 @@ def _bias_and_mask(attn_mask):
 def _forward_plan(tensors, lens, *, layout, method, implementation, scale,
                   is_causal, options, window, alignment, need_lse):
   """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
-  kv_segment_ids)``: the output in the tensors' layout (exported in q's
-  memory order: :func:`_memory_order`, ``plan.out_order``); with ``need_lse``
-  also the float32 log-sum-exp ``[B, T, N]``; ``fmha_int8`` with
-  ``return_int8``: ``(int8 output, its scale)``."""
+  kv_segment_ids)``: the output with the layout's axes, contiguous in q's
+  memory order (:func:`_op_order`; ``plan.out_axes`` permutes it back);
+  with ``need_lse`` also the float32 log-sum-exp ``[B, T, N]``;
+  ``fmha_int8`` with ``return_int8``: ``(int8 output, its scale)``."""
   to_layout = LAYOUTS[layout]
   order = _memory_order(tensors[0])
 
@@ -858,7 +864,7 @@ def _forward_plan(tensors, lens, *, layout, method, implementation, scale,
     return output(out)
 
   plan = _Plan(body, tensors, lens, (to_layout,) * 3 + (None,) * 4)
-  plan.out_order = order
+  plan.out_axes = _inverse(order)
   return plan
 
 
@@ -874,8 +880,8 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
                    alignment):
   """The plan of ``(q, k, v, attn_mask, q_lens, q_segment_ids,
   kv_segment_ids, lse, dout, out)``: ``(dq, dk, dv, dbias)`` in the
-  tensors' layout, each in its tensor's memory order (``plan.out_order``;
-  dbias shaped like the float ``attn_mask``, or None);
+  tensors' layout's axes, each contiguous in its tensor's memory order
+  (:func:`_op_order`; dbias shaped like the float ``attn_mask``, or None);
   ``out``, the forward's output, or None."""
   to_layout = LAYOUTS[layout]
   on_gpu = tensors[0].device.type == "cuda"
@@ -905,10 +911,8 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
               for g, o in zip((dq, dk, dv), orders)),
             None if dbias is None else _sum_to(dbias, bias_shape))
 
-  plan = _Plan(body, tensors, lens,
+  return _Plan(body, tensors, lens,
                (to_layout,) * 3 + (None,) * 5 + (to_layout,) * 2)
-  plan.out_order = orders
-  return plan
 
 
 # --- the public functions -------------------------------------------------
@@ -1046,6 +1050,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
       q, k, v, attn_mask, None if lens is None else torch.from_numpy(lens),
       *index, tensor_layout, method, implementation, scale, is_causal,
       _encode(options), _encode([window, causal_alignment]), need_lse)
+  out = _from_memory_order(out, _memory_order(q))
   return (out, lse.transpose(1, 2)) if return_lse else out
 
 
@@ -1068,20 +1073,26 @@ def _run(plan, tensors, lens, export):
     raise
 
 
-def _export_direct(out, stream, return_int8, return_lse, order):
+def _export_direct(out, stream, return_int8, return_lse, axes):
+  """The outputs as torch tensors, the output permuted back by ``axes``
+  from its memory order (``_Plan.out_axes``; None: as it is)."""
   if return_int8:
-    return (_from_memory_order(_to_torch(out[0], stream), order),
-            *(_to_torch(x, stream) for x in out[1:]))
+    out, *rest = out
+    out = _to_torch(out, stream)
+    return (out if axes is None else out.permute(axes),
+            *(_to_torch(x, stream) for x in rest))
   if return_lse:
-    return (_from_memory_order(_to_torch(out[0], stream), order),
-            _to_torch(out[1], stream).transpose(1, 2))
-  return _from_memory_order(_to_torch(out, stream), order)
+    lse = _to_torch(out[1], stream).transpose(1, 2)
+    out = _to_torch(out[0], stream)
+    return (out if axes is None else out.permute(axes)), lse
+  out = _to_torch(out, stream)
+  return out if axes is None else out.permute(axes)
 
 
 def _direct_call(plan, tensors, lens, return_int8, return_lse):
   """``plan`` on the tensors, its outputs as torch tensors."""
   return _run(plan, tensors, lens, lambda out, stream: _export_direct(
-      out, stream, return_int8, return_lse, plan.out_order))
+      out, stream, return_int8, return_lse, plan.out_axes))
 
 
 def _options_key(options: dict):
@@ -1220,9 +1231,12 @@ _SCHEMA = ("(Tensor q, Tensor k, Tensor v, Tensor? attn_mask, Tensor? kv_lens, "
 def _attention_forward(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
                        kv_segment_ids, layout, method, implementation,
                        sm_scale, is_causal, options, index_static, need_lse):
-  """``(output in q's layout, float32 log-sum-exp [B, T, N] or an empty
-  tensor)``; ``options``: JSON of the method's options; ``index_static``:
-  JSON ``[local_window_size, causal_alignment]``."""
+  """``(output, float32 log-sum-exp [B, T, N] or an empty tensor)``, the
+  output contiguous with q's layout's axes in q's memory order
+  (:func:`_op_order`: the caller permutes it back, so that an operator's
+  outputs are always contiguous, which inductor's stride asserts need);
+  ``options``: JSON of the method's options; ``index_static``: JSON
+  ``[local_window_size, causal_alignment]``."""
   tensors = (q, k, v, attn_mask, q_lens, q_segment_ids, kv_segment_ids)
   lens = _op_lens(kv_lens)
   key = ("forward", *map(_sig, tensors), None if lens is None else lens.shape,
@@ -1236,14 +1250,10 @@ def _attention_forward(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
         implementation=implementation, scale=sm_scale, is_causal=is_causal,
         options=json.loads(options), window=window, alignment=alignment,
         need_lse=need_lse))
-  order = plan.out_order
-
   def export(out, stream):
     if need_lse:
-      return (_from_memory_order(_to_torch(out[0], stream), order),
-              _to_torch(out[1], stream))
-    return (_from_memory_order(_to_torch(out, stream), order),
-            q.new_empty((0,), dtype=torch.float32))
+      return _to_torch(out[0], stream), _to_torch(out[1], stream)
+    return _to_torch(out, stream), q.new_empty((0,), dtype=torch.float32)
   return _run(plan, tensors, lens, export)
 
 
@@ -1259,12 +1269,8 @@ def _attention_fake(q, k, v, attn_mask, kv_lens, q_lens, q_segment_ids,
                     is_causal, options, index_static, need_lse):
   out_shape, lse_shape = _shapes(q, v, layout)
   dtype = torch.float16 if q.dtype in _FLOAT8 else q.dtype
-  order = _memory_order(q)   # (the real output's strides: q's order)
-  out = (q.new_empty(out_shape, dtype=dtype) if order is None else
-         _from_memory_order(q.new_empty([out_shape[i] for i in order],
-                                        dtype=dtype), order))
-  return out, q.new_empty(lse_shape if need_lse else (0,),
-                          dtype=torch.float32)
+  return (q.new_empty(_op_order(out_shape, _memory_order(q)), dtype=dtype),
+          q.new_empty(lse_shape if need_lse else (0,), dtype=torch.float32))
 
 
 # The forward twice: ``jaxattn::attention`` carries autograd (its backward
@@ -1316,8 +1322,7 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
   def export(grads, stream):
     dbias = (q.new_empty((0,)) if grads[3] is None
              else _to_torch(grads[3], stream))
-    return (*(_from_memory_order(_to_torch(g, stream), o)
-              for g, o in zip(grads[:3], plan.out_order)), dbias)
+    return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
   return _run(plan, tensors, lens, export)
 
 
@@ -1326,10 +1331,8 @@ def _attention_backward_fake(q, k, v, attn_mask, kv_lens, q_lens,
                              q_segment_ids, kv_segment_ids, lse, dout, out,
                              layout, sm_scale, is_causal, index_static):
   has_bias = attn_mask is not None and attn_mask.dtype != torch.bool
-  grads = tuple(x.new_empty(x.shape) if o is None else _from_memory_order(
-      x.new_empty([x.shape[i] for i in o]), o)
-                for x, o in ((x, _memory_order(x)) for x in (q, k, v)))
-  return (*grads,
+  return (*(x.new_empty(_op_order(x.shape, _memory_order(x)))
+            for x in (q, k, v)),
           torch.empty_like(attn_mask) if has_bias else q.new_empty((0,)))
 
 
@@ -1344,9 +1347,12 @@ def _setup_context(ctx, inputs, output):
   keep = output[1].numel() > 0 and _keeps_output(
       q.dtype, q.shape[-1], None if attn_mask is None else attn_mask.dtype,
       q.device.type == "cuda", indexed, method)
+  order = _memory_order(q)   # (the operator's output is in it)
   ctx.save_for_backward(q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg,
-                        output[1], output[0] if keep else None)
+                        output[1],
+                        _from_memory_order(output[0], order) if keep else None)
   ctx.static = (layout, sm_scale, is_causal, index_static)
+  ctx.order = order
   ctx.bias = attn_mask is not None and attn_mask.dtype != torch.bool
 
 
@@ -1355,8 +1361,11 @@ def _backward(ctx, dout, _):
       ctx.saved_tensors
   layout, sm_scale, is_causal, index_static = ctx.static
   dq, dk, dv, dbias = torch.ops.jaxattn.attention_backward(
-      q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, lse, dout, out,
-      layout, sm_scale, is_causal, index_static)
+      q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, lse,
+      _from_memory_order(dout, ctx.order), out, layout, sm_scale, is_causal,
+      index_static)
+  dq, dk, dv = (_from_memory_order(g, _memory_order(x))
+                for g, x in ((dq, q), (dk, k), (dv, v)))
   return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 12)
 
 
