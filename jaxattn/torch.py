@@ -613,8 +613,12 @@ def _memory_order(tensor: torch.Tensor):
   that is a ``[B, T, N, H]`` buffer seen as HND gives an output that is
   one too, so neither jax nor the caller's ``transpose(1, 2).reshape``
   copies it."""
-  perm, copy, _ = _dense_layout(tensor)
-  return None if copy or perm is None or perm[-1] != tensor.ndim - 1 else perm
+  # (dim_order, not _dense_layout's sort: dynamo traces it on symbolic
+  # strides, where a sort with stride keys does not trace)
+  order = tuple(tensor.dim_order())
+  if order == tuple(range(tensor.ndim)) or order[-1] != tensor.ndim - 1:
+    return None
+  return order if tensor.permute(order).is_contiguous() else None
 
 
 def _in_memory_order(array, order):
@@ -950,7 +954,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     implementation: None, "reference", "triton" or "mosaic" (as
       ``jaxattn.dot_product_attention``).
     return_lse: also return the float32 log-sum-exp ``[B, N, T]``
-      (``dot_product_attention``'s ``return_residual``).
+      (``dot_product_attention``'s ``return_residual``); it carries no
+      gradient (``requires_grad`` False).
     query_seq_lengths: ints ``[B]``; query rows at or beyond return 0.
     local_window_size: an int or ``(left, right)``: sliding-window
       attention, as ``jaxattn.dot_product_attention``.
@@ -1353,6 +1358,9 @@ def _setup_context(ctx, inputs, output):
                         _from_memory_order(output[0], order) if keep else None)
   ctx.static = (layout, sm_scale, is_causal, index_static)
   ctx.order = order
+  # the backward takes no gradient through the log-sum-exp: a loss on it
+  # raises (no grad_fn) rather than getting zeros
+  ctx.mark_non_differentiable(output[1])
   ctx.bias = attn_mask is not None and attn_mask.dtype != torch.bool
 
 

@@ -590,6 +590,42 @@ def test_outputs_follow_the_inputs_memory_order(compiled, mha):
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
+def test_log_sum_exp_carries_no_gradient():
+  """The backward takes no gradient through the log-sum-exp: it is marked
+  non-differentiable, so a loss on it alone raises instead of getting
+  zeros, and the output's gradient is unchanged beside it."""
+  q, k, v = (x.requires_grad_() for x in hnd(16))
+  out, lse = jt.attention(q, k, v, return_lse=True, **REF)
+  assert out.requires_grad and not lse.requires_grad
+  with pytest.raises(RuntimeError, match="does not require grad"):
+    torch.autograd.grad(lse.sum(), (q, k, v))
+  got = torch.autograd.grad((out.sum() + lse.sum()), (q, k, v))
+  want = torch.autograd.grad(sdpa(q, k, v).sum(), (q, k, v))
+  for a, b in zip(got, want):
+    assert ((a - b).norm() / b.norm()).item() < GRAD_RTOL
+
+
+def test_compiled_permuted_inputs_at_a_new_length():
+  """A second sequence length makes ``torch.compile`` retrace with
+  symbolic shapes: permuted inputs (HND views of ``[B, T, N, H]``) still
+  compile with ``fullgraph=True`` and match eager, with gradients (the
+  memory order is read where dynamo can trace it on symbolic strides)."""
+  torch._dynamo.reset()
+  f = lambda q, k, v: jt.attention(q, k, v, is_causal=True, **REF).sin()
+  compiled = torch.compile(f, fullgraph=True)
+  g = torch.Generator().manual_seed(15)
+  for t in (16, 24):
+    q, k, v = (torch.randn(B, t, n, H, generator=g).transpose(1, 2)
+               for n in (N, K, K))
+    q.requires_grad_()
+    got = compiled(q, k, v)
+    want = f(q, k, v)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(torch.autograd.grad(got.sum(), q)[0],
+                               torch.autograd.grad(want.sum(), q)[0],
+                               rtol=1e-6, atol=1e-6)
+
+
 # Gradients against SDPA's float32 autograd: measured max relative L2
 # 3.1e-7 (the exact gradient at the inputs, for every method).
 GRAD_RTOL = 1e-5
