@@ -613,10 +613,19 @@ def _memory_order(tensor: torch.Tensor):
   that is a ``[B, T, N, H]`` buffer seen as HND gives an output that is
   one too, so neither jax nor the caller's ``transpose(1, 2).reshape``
   copies it."""
+  order = _dense_order(tensor)
+  return None if order is None or order[-1] != tensor.ndim - 1 else order
+
+
+def _dense_order(tensor: torch.Tensor):
+  """The axes of ``tensor`` from the largest stride to the smallest, where
+  it is a permuted view of a dense buffer (None: in order already, or not
+  dense); the memory order of the gradient of a float ``attn_mask``, as of
+  ``empty_like``'s."""
   # (dim_order, not _dense_layout's sort: dynamo traces it on symbolic
   # strides, where a sort with stride keys does not trace)
   order = tuple(tensor.dim_order())
-  if order == tuple(range(tensor.ndim)) or order[-1] != tensor.ndim - 1:
+  if order == tuple(range(tensor.ndim)):
     return None
   return order if tensor.permute(order).is_contiguous() else None
 
@@ -890,6 +899,8 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
   to_layout = LAYOUTS[layout]
   on_gpu = tensors[0].device.type == "cuda"
   orders = [_memory_order(t) for t in tensors[:3]]   # (as the fake's)
+  # a float mask's gradient has its strides (the fake's empty_like)
+  bias_order = None if tensors[3] is None else _dense_order(tensors[3])
 
   def body(arrays, kv_lens):
     q, k, v, attn_mask, q_lens, q_seg, kv_seg, lse, dout, out = arrays
@@ -913,7 +924,8 @@ def _backward_plan(tensors, lens, *, layout, scale, is_causal, window,
         is_causal=is_causal, on_gpu=on_gpu, out=out, index_mask=index_mask)
     return (*(_in_memory_order(jnp.transpose(g, to_layout), o)
               for g, o in zip((dq, dk, dv), orders)),
-            None if dbias is None else _sum_to(dbias, bias_shape))
+            None if dbias is None else _in_memory_order(
+                _sum_to(dbias, bias_shape), bias_order))
 
   return _Plan(body, tensors, lens,
                (to_layout,) * 3 + (None,) * 5 + (to_layout,) * 2)
@@ -1324,9 +1336,11 @@ def _attention_backward_op(q, k, v, attn_mask, kv_lens, q_lens,
     plan = _store(_OP_PLANS, key, _backward_plan(
         tensors, lens, layout=layout, scale=sm_scale, is_causal=is_causal,
         window=window, alignment=alignment))
+  bias_order = None if attn_mask is None else _dense_order(attn_mask)
+
   def export(grads, stream):
     dbias = (q.new_empty((0,)) if grads[3] is None
-             else _to_torch(grads[3], stream))
+             else _from_memory_order(_to_torch(grads[3], stream), bias_order))
     return (*(_to_torch(g, stream) for g in grads[:3]), dbias)
   return _run(plan, tensors, lens, export)
 

@@ -590,6 +590,24 @@ def test_outputs_follow_the_inputs_memory_order(compiled, mha):
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("mask", ["permuted", "transposed_2d"])
+def test_compiled_bias_gradient_of_a_permuted_mask(mask):
+  """The gradient of a float ``attn_mask`` that is a permuted view has its
+  strides, as the fake's ``empty_like`` says: compiled equals eager."""
+  torch._dynamo.reset()
+  g = torch.Generator().manual_seed(17)
+  bias = (torch.randn(B, T, N, S, generator=g).transpose(1, 2)
+          if mask == "permuted" else torch.randn(S, T, generator=g).t())
+  bias.requires_grad_()
+  q, k, v = (x.transpose(1, 2).contiguous().transpose(1, 2) for x in hnd(17))
+  f = lambda q, k, v, m: jt.attention(q, k, v, attn_mask=m, **REF).sin()
+  got = torch.autograd.grad(
+      torch.compile(f, fullgraph=True)(q, k, v, bias).sum(), bias)[0]
+  want = torch.autograd.grad(f(q, k, v, bias).sum(), bias)[0]
+  assert got.stride() == bias.stride()
+  torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_log_sum_exp_carries_no_gradient():
   """The backward takes no gradient through the log-sum-exp: it is marked
   non-differentiable, so a loss on it alone raises instead of getting
