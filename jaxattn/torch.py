@@ -646,9 +646,13 @@ def _inverse(order) -> tuple | None:
                                           for i in range(len(order)))
 
 
+def _permuted(tensor: torch.Tensor, axes) -> torch.Tensor:
+  return tensor if axes is None else tensor.permute(axes)
+
+
 def _from_memory_order(tensor: torch.Tensor, order) -> torch.Tensor:
   """A tensor in memory ``order`` back to its own axes (a view)."""
-  return tensor if order is None else tensor.permute(_inverse(order))
+  return _permuted(tensor, _inverse(order))
 
 
 def _import_tensor(tensor: torch.Tensor):
@@ -760,8 +764,9 @@ class _Plan:
     if self.views is not None:
       try:   # this jax takes the views, or DLPack's own import it is
         for t, r, views in zip(tensors, self.recipes, self.views):
-          if views is not None and not _crossed(t, r).data_ptr() % 16:
-            views.make(_crossed(t, r).data_ptr())
+          address = None if views is None else _crossed(t, r).data_ptr()
+          if address is not None and not address % 16:
+            views.make(address)
       except Exception:  # pylint: disable=broad-except
         self.views = None
     args, _, _, _ = self.inputs(tensors, lens)
@@ -1094,16 +1099,12 @@ def _export_direct(out, stream, return_int8, return_lse, axes):
   """The outputs as torch tensors, the output permuted back by ``axes``
   from its memory order (``_Plan.out_axes``; None: as it is)."""
   if return_int8:
-    out, *rest = out
-    out = _to_torch(out, stream)
-    return (out if axes is None else out.permute(axes),
-            *(_to_torch(x, stream) for x in rest))
+    return (_permuted(_to_torch(out[0], stream), axes),
+            *(_to_torch(x, stream) for x in out[1:]))
   if return_lse:
-    lse = _to_torch(out[1], stream).transpose(1, 2)
-    out = _to_torch(out[0], stream)
-    return (out if axes is None else out.permute(axes)), lse
-  out = _to_torch(out, stream)
-  return out if axes is None else out.permute(axes)
+    return (_permuted(_to_torch(out[0], stream), axes),
+            _to_torch(out[1], stream).transpose(1, 2))
+  return _permuted(_to_torch(out, stream), axes)
 
 
 def _direct_call(plan, tensors, lens, return_int8, return_lse):
@@ -1386,8 +1387,8 @@ def _backward(ctx, dout, _):
       q, k, v, attn_mask, kv_lens, q_lens, q_seg, kv_seg, lse,
       _from_memory_order(dout, ctx.order), out, layout, sm_scale, is_causal,
       index_static)
-  dq, dk, dv = (_from_memory_order(g, _memory_order(x))
-                for g, x in ((dq, q), (dk, k), (dv, v)))
+  dq, dk, dv = (_from_memory_order(g, o) for g, o in (
+      (dq, ctx.order), (dk, _memory_order(k)), (dv, _memory_order(v))))
   return (dq, dk, dv, dbias if ctx.bias else None, *(None,) * 12)
 
 
