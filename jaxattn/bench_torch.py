@@ -33,7 +33,9 @@ profiler (:func:`jaxattn.timing.device_period_ms`; jax rows).
 GPU (B x H x S x D, HND, float16): the tiny 1x8x128x64 for every method,
 then ``sageattn`` and ``fp8`` at 2x24x4096x64 (image DiT), 1x48x17776x64
 (video DiT), 1x32x8192x128 causal (LLM prefill) and 8x32x1024x128 causal
-(batched prompts), and ``torch.compile(fullgraph=True)`` of
+(batched prompts), each on contiguous inputs and on views of ``[B, S, H,
+D]`` buffers (rows marked "(views)": what a model's ``x.view(B, S, H,
+D).transpose(1, 2)`` passes), and ``torch.compile(fullgraph=True)`` of
 ``Linear + sageattn`` against eager at 2x24x4096x64 and 1x32x8192x128
 causal.  CPU: the tiny 1x2x16x16 (float32, torch on one thread) on the
 reference path for every method, and compile against eager at it.
@@ -291,21 +293,34 @@ class Bench:
     if self.gpu:
       self.torch.cuda.synchronize()
 
-  def inputs(self, shape, seed=0):
+  def inputs(self, shape, seed=0, views=False):
+    """Three ``[B, H, S, D]`` tensors: contiguous, or (``views``) views of
+    ``[B, S, H, D]`` buffers, as a model's ``x.view(B, S, H, D)
+    .transpose(1, 2)`` passes them."""
     torch = self.torch
     g = torch.Generator(device=self.device).manual_seed(seed)
+    if views:
+      b, h, s, d = shape
+      return tuple(torch.randn((b, s, h, d), generator=g, device=self.device,
+                               dtype=self.dtype).transpose(1, 2)
+                   for _ in range(3))
     return tuple(torch.randn(shape, generator=g, device=self.device,
                              dtype=self.dtype) for _ in range(3))
 
-  def compare(self, label, shape, causal, method, jax_kw, tiny, peers=True):
+  def compare(self, label, shape, causal, method, jax_kw, tiny, peers=True,
+              views=False):
     """Rows of one shape and method: jaxattn.torch, the jitted JAX call on
     the same inputs (and, on the CPU, the same synchronised per call), and
-    (``peers``) SDPA and SageAttention2."""
+    (``peers``) SDPA and SageAttention2; on contiguous ``[B, H, S, D]``
+    inputs, or (``views``) on views of ``[B, S, H, D]`` buffers, where the
+    jitted call takes the buffers as they are."""
     torch = self.torch
     kind = "tiny" if tiny else "large"
-    q, k, v = self.inputs(shape)
+    q, k, v = self.inputs(shape, views=views)
     base = dict(shape="x".join(map(str, shape)), causal=causal,
-                method=method, label=label)
+                method=method, label=label,
+                inputs="BSHD views" if views else "contiguous")
+    suffix = " (views)" if views else ""
     shim_name = "sageattn" if method == "sage" else "attention"
 
     def shim():
@@ -317,14 +332,16 @@ class Bench:
 
     def jax_call(per_call_sync):
       def setup():
-        arrays = tuple(jax.dlpack.from_dlpack(x) for x in (q, k, v))
+        arrays = tuple(jax.dlpack.from_dlpack(x.transpose(1, 2) if views
+                                              else x) for x in (q, k, v))
         opts = dict(jax_kw)
         if method == "sage":   # what sageattn passes
           opts.setdefault("smooth_k", True)
+        t = ((lambda x: x) if views
+             else (lambda x: jnp.transpose(x, (0, 2, 1, 3))))
 
         @jax.jit
         def f(q, k, v):
-          t = lambda x: jnp.transpose(x, (0, 2, 1, 3))
           return t(jaxattn.dot_product_attention(
               t(q), t(k), t(v), is_causal=causal, method=method, **opts))
 
@@ -343,24 +360,24 @@ class Bench:
       return (lambda: call(*sets[next(turn) % FRESH_SETS], is_causal=causal,
                            **jax_kw)), self.sync_torch, kind
 
-    specs = [(dict(base, name=f"jaxattn.torch.{shim_name} {method}",
+    specs = [(dict(base, name=f"jaxattn.torch.{shim_name} {method}{suffix}",
                    kind="jaxattn.torch"), shim),
-             (dict(base, name=f"jax.jit {method}", kind="jax"),
+             (dict(base, name=f"jax.jit {method}{suffix}", kind="jax"),
               jax_call(not self.gpu))]
     if tiny:
       specs.append((dict(base, name=f"  {FRESH_SETS} input sets in turn",
                          kind="jaxattn.torch.fresh"), shim_fresh))
     if not self.gpu:
-      specs.append((dict(base, name=f"jax.jit {method} (async)",
+      specs.append((dict(base, name=f"jax.jit {method} (async){suffix}",
                          kind="jax_async"), jax_call(False)))
     if peers:
-      specs.append((dict(base, name="torch sdpa", kind="sdpa"),
+      specs.append((dict(base, name=f"torch sdpa{suffix}", kind="sdpa"),
                     lambda: (lambda: torch.nn.functional
                              .scaled_dot_product_attention(
                                  q, k, v, is_causal=causal),
                              self.sync_torch, kind)))
       if self.gpu:
-        specs.append((dict(base, name="sageattention.sageattn",
+        specs.append((dict(base, name=f"sageattention.sageattn{suffix}",
                            kind="sageattention"), self._sageattention(
                                q, k, v, causal, kind)))
     with torch.no_grad():
@@ -543,9 +560,10 @@ def main(argv=None, prog="python -m jaxattn bench --torch"):
                       peers=method == methods[0])
       if not args.no_large:
         for shape, causal, label in GPU_LARGE:
-          for method in ("sage", "fp8"):
-            bench.compare(label, shape, causal, method, {}, tiny=False,
-                          peers=method == "sage")
+          for views in (False, True):
+            for method in ("sage", "fp8"):
+              bench.compare(label, shape, causal, method, {}, tiny=False,
+                            peers=method == "sage", views=views)
         for shape, causal in GPU_COMPILE:
           bench.compile_vs_eager(shape, causal, {}, tiny=False)
     else:
