@@ -236,8 +236,7 @@ def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
       copies = copy_bandwidths()
       doc["copy_gbps_by_kind"] = {k: x / 1e9 for k, x in copies.items()}
       bandwidth = max(copies.values())
-    bw = bandwidth
-    doc["copy_gbps"] = bw / 1e9
+    doc["copy_gbps"] = bandwidth / 1e9
     if points is None:
       points = [(b, s, t) for s in lengths for b in batches
                 for t in new_tokens]
@@ -247,7 +246,7 @@ def run(out_dir, *, batches=(8, 1, 32), lengths=(32768, 4096, 131072),
         point["rows"] = {m: dict(skipped="time budget") for m in methods}
       else:
         point["rows"] = bench_point(b, s, t, n, nk, head_dim, methods,
-                                    bandwidth=bw, options=options,
+                                    bandwidth=bandwidth, options=options,
                                     iters=iters, reps=reps, log=log,
                                     page_size=page_size)
       doc["points"].append(point)
