@@ -19,6 +19,7 @@ element catches an element the kernel did not write.
 """
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import sys
@@ -87,6 +88,8 @@ def launch(kernel, *args, out_shape, grid, num_warps: int = 4,
     compiled.append(_compile(kernel, args, shapes, target, num_warps,
                              num_stages, enable_fp_fusion, constexprs))
   if common.has_gpu():
+    _compile_ahead().submit(kernel, args, shapes, num_warps, num_stages,
+                            enable_fp_fusion, constexprs)
     outs = jax_triton().triton_call(
         *args, kernel=kernel, out_shape=shapes, grid=grid,
         num_warps=num_warps, num_stages=num_stages,
@@ -172,6 +175,99 @@ def jax_triton():
       os.environ["TRITON_CACHE_DIR"] = saved
     _JAX_TRITON.append(module)
   return _JAX_TRITON[0]
+
+
+class CompileAhead:
+  """Compiles a launch's kernel on a worker thread from the moment it is
+  traced, for ``jax_triton``'s lowering to take.
+
+  ``jax_triton`` compiles each launch when jax lowers it (Triton's AST ->
+  TTIR -> TTGIR -> LLVM -> PTX, about 0.5 s a kernel, most of it in MLIR
+  and LLVM passes that release the GIL), one launch after another: a
+  quantized method's five to twelve kernels made most of its first call.
+  A call traces all its launches before jax lowers any, so each launch
+  starts its compile here, with the arguments the lowering will pass, and
+  the lowering's ``get_or_create_triton_kernel`` (wrapped by this object)
+  waits for that compile instead of starting its own.  A compile that
+  fails raises at the lowering, as it would have.  (PTX -> cubin happens at
+  the first launch, inside jaxlib, behind one lock: not sped up here.)
+
+  Args:
+    lib: ``jax_triton.triton_lib`` (or a stand-in with its
+      ``get_or_create_triton_kernel``, ``get_cuda_backend`` and
+      ``get_triton_type``); its ``get_or_create_triton_kernel`` is wrapped.
+    workers: compile threads.
+  """
+
+  def __init__(self, lib, workers: int):
+    self.lib = lib
+    self.compile = lib.get_or_create_triton_kernel
+    self.pool = concurrent.futures.ThreadPoolExecutor(
+        workers, thread_name_prefix="jaxattn-triton-compile")
+    self.pending: dict = {}
+    self.lock = threading.Lock()
+    lib.get_or_create_triton_kernel = self.get_or_create
+
+  @staticmethod
+  def key(platform, fn, arg_dtypes, scalar_args, num_warps, num_stages,
+          num_ctas, compute_capability, enable_fp_fusion, metaparams, dump):
+    return (platform, fn, tuple(arg_dtypes), tuple(scalar_args), num_warps,
+            num_stages, num_ctas, compute_capability, enable_fp_fusion,
+            tuple(sorted(metaparams.items())), dump)
+
+  def get_or_create(self, backend_init_func, platform, fn, arg_dtypes,
+                    scalar_args, **options):
+    """``get_or_create_triton_kernel``: the compile started at trace time,
+    else the original."""
+    key = self.key(platform, fn, arg_dtypes, scalar_args, **options)
+    with self.lock:
+      future = self.pending.get(key)
+    if future is not None:
+      return future.result()
+    return self.compile(backend_init_func, platform, fn, arg_dtypes,
+                        scalar_args, **options)
+
+  def submit(self, kernel, args, shapes, num_warps, num_stages,
+             enable_fp_fusion, constexprs) -> None:
+    """Starts the compile the lowering of ``jax_triton.triton_call(*args,
+    kernel=kernel, ...)`` will ask for: arrays (inputs, then outputs) by
+    their Triton pointer type, Python scalars in place, ``num_ctas=1``,
+    the device's compute capability."""
+    get_type = self.lib.get_triton_type
+    arg_dtypes, scalar_args = [], []
+    for i, a in enumerate(args):   # (as triton_call splits its arguments)
+      if isinstance(a, (bool, int, float)):
+        scalar_args.append((i, get_type(a), a))
+        arg_dtypes.append(get_type(a))
+      elif isinstance(a, np.float32):
+        scalar_args.append((i, get_type(a), float(a)))
+        arg_dtypes.append(get_type(a))
+      else:
+        arg_dtypes.append(get_type(jax.core.ShapedArray(a.shape, a.dtype)))
+    arg_dtypes += [get_type(jax.core.ShapedArray(s.shape, s.dtype))
+                   for s in shapes]
+    options = dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1,
+                   compute_capability=None,
+                   enable_fp_fusion=enable_fp_fusion,
+                   metaparams=dict(sorted(constexprs.items())), dump=False)
+    key = self.key("cuda", kernel, arg_dtypes, tuple(scalar_args), **options)
+    with self.lock:
+      if key not in self.pending:
+        self.pending[key] = self.pool.submit(
+            self.compile, self.lib.get_cuda_backend, "cuda", kernel,
+            arg_dtypes, tuple(scalar_args), **options)
+
+
+_COMPILE_AHEAD: list = []
+
+
+def _compile_ahead() -> CompileAhead:
+  with _LOCK:
+    if not _COMPILE_AHEAD:
+      _COMPILE_AHEAD.append(CompileAhead(
+          sys.modules[jax_triton().__name__ + ".triton_lib"],
+          workers=min(8, os.cpu_count() or 1)))
+    return _COMPILE_AHEAD[0]
 
 
 def _is_array(x) -> bool:

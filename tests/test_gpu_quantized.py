@@ -107,3 +107,30 @@ def test_int_flash_accuracy_ordering(seq, dist):
   print(f"{dist} S={seq}: " + ", ".join(f"{k} {v:.4f}" for k, v in err.items()))
   assert err["fp8"] > err["full"] > err["half"]
   assert err["full_vblock"] <= err["full"] * 1.05
+
+
+def test_lowering_takes_the_triton_compiles_started_at_trace(monkeypatch):
+  """Every Triton kernel of a quantized call compiles on the
+  compile-ahead workers, started while the call traces; jax_triton's
+  lowering asks for exactly those (a key that differed would compile
+  again on the lowering's thread)."""
+  import threading
+  from pallas_kernels import triton_call
+  ahead = triton_call._compile_ahead()   # pylint: disable=protected-access
+  threads = []
+  compile_ = ahead.compile
+
+  def spy(*args, **kwargs):
+    threads.append(threading.current_thread().name)
+    return compile_(*args, **kwargs)
+
+  monkeypatch.setattr(ahead, "compile", spy)
+  # (a length and head count no other test takes: every kernel is new)
+  q = jnp.ones((1, 1037, 6, 128), jnp.float16)
+  kv = jnp.ones((1, 1037, 3, 128), jnp.float16)
+  for method in ("sage", "fp8"):
+    jax.jit(lambda q, k, v, m=method: jaxattn.dot_product_attention(
+        q, k, v, is_causal=True, method=m)).lower(q, kv, kv)
+  print(f"compiles: {len(threads)}, threads: {sorted(set(threads))}")
+  assert len(threads) >= 4
+  assert all(t.startswith("jaxattn-triton-compile") for t in threads)

@@ -9,6 +9,7 @@ import contextlib
 import functools
 import os
 import sys
+import threading
 from unittest import mock
 
 import numpy as np
@@ -685,3 +686,86 @@ def test_jax_triton_import_keeps_the_triton_cache(tmp_path, monkeypatch):
     assert triton_call.jax_triton().marker == 1
     assert os.environ.get("TRITON_CACHE_DIR") == before
     assert "jax_triton" in sys.modules   # (the stand-in ran its import)
+
+
+class _FakeTritonLib:
+  """Plays ``jax_triton.triton_lib`` for :class:`triton_call.CompileAhead`:
+  records each compile's thread and returns its arguments."""
+
+  def __init__(self, fail=False):
+    self.threads = []
+    self.fail = fail
+    self.get_or_create_triton_kernel = self._compile
+
+  @staticmethod
+  def get_cuda_backend(device, compute_capability):
+    return (device, compute_capability)
+
+  @staticmethod
+  def get_triton_type(x):
+    if isinstance(x, jax.core.ShapedArray):
+      return "*" + x.dtype.name
+    return {bool: "B", int: "i32", float: "fp64",
+            np.float32: "fp32"}[type(x)]
+
+  def _compile(self, backend_init_func, platform, fn, arg_dtypes, scalar_args,
+               **options):
+    self.threads.append(threading.current_thread().name)
+    if self.fail:
+      raise ValueError("TTIR->TTGIR pass failed!")
+    return (fn, tuple(arg_dtypes), scalar_args, options)
+
+
+def _lowering_request(lib, kernel, arrays, scalars, outs, constexprs,
+                      num_warps):
+  """What jax_triton's lowering asks ``get_or_create_triton_kernel`` for
+  (``triton_kernel_call_lowering``): the arrays' types, each scalar's type
+  inserted at its index, then the outputs'."""
+  arg_dtypes = [lib.get_triton_type(jax.core.ShapedArray(a.shape, a.dtype))
+                for a in arrays]
+  for i, dtype, _ in scalars:
+    arg_dtypes.insert(i, dtype)
+  arg_dtypes += [lib.get_triton_type(jax.core.ShapedArray(o.shape, o.dtype))
+                 for o in outs]
+  return lib.get_or_create_triton_kernel(
+      lib.get_cuda_backend, "cuda", kernel, arg_dtypes, tuple(scalars),
+      num_warps=num_warps, num_stages=2, num_ctas=1, compute_capability=None,
+      enable_fp_fusion=False, metaparams=dict(sorted(constexprs.items())),
+      dump=False)
+
+
+def test_compile_ahead_serves_the_lowering_from_the_trace_time_compile():
+  """A launch's compile starts on a worker at trace time, once per kernel
+  and arguments; the lowering's request with the same arguments takes its
+  result, a different request compiles on its own, and a failed compile
+  raises at the lowering."""
+  lib = _FakeTritonLib()
+  ahead = triton_call.CompileAhead(lib, workers=2)
+  x = jax.ShapeDtypeStruct((4, 64), jnp.float16)
+  out = jax.ShapeDtypeStruct((4, 64), jnp.int8)
+  args = (x, 3, np.float32(0.5), x, True)
+  constexprs = dict(BLOCK=16, ASM=False)
+  for _ in range(2):   # (the same launch traced twice compiles once)
+    ahead.submit("kernel", args, (out,), 4, 2, False, constexprs)
+  scalars = [(1, "i32", 3), (2, "fp32", 0.5), (4, "B", True)]
+  got = _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
+                          num_warps=4)
+  assert got == ("kernel", ("*float16", "i32", "fp32", "*float16", "B",
+                            "*int8"), tuple(scalars),
+                 dict(num_warps=4, num_stages=2, num_ctas=1,
+                      compute_capability=None, enable_fp_fusion=False,
+                      metaparams=dict(ASM=False, BLOCK=16), dump=False))
+  assert len(lib.threads) == 1
+  assert lib.threads[0].startswith("jaxattn-triton-compile")
+  # (another configuration: the lowering's own compile, on its thread)
+  _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
+                    num_warps=8)
+  assert lib.threads[1:] == [threading.current_thread().name]
+
+  lib = _FakeTritonLib(fail=True)
+  ahead = triton_call.CompileAhead(lib, workers=1)
+  ahead.submit("kernel", args, (out,), 4, 2, False, constexprs)
+  with pytest.raises(ValueError, match="TTGIR pass failed"):
+    _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
+                      num_warps=4)
+  assert len(lib.threads) == 1
