@@ -211,17 +211,26 @@ class CompileAhead:
   @staticmethod
   def key(platform, fn, arg_dtypes, scalar_args, num_warps, num_stages,
           num_ctas, compute_capability, enable_fp_fusion, metaparams, dump):
-    return (platform, fn, tuple(arg_dtypes), tuple(scalar_args), num_warps,
-            num_stages, num_ctas, compute_capability, enable_fp_fusion,
+    """What the compiled kernel depends on: a scalar's value only by
+    whether it is 1 or None (as jax_triton specialises), so that a call
+    that differs in a scalar finds the kernel compiled."""
+    scalars = tuple((i, t, v is None, v is not None and v == 1)
+                    for i, t, v in scalar_args)
+    return (platform, fn, tuple(arg_dtypes), scalars, num_warps, num_stages,
+            num_ctas, compute_capability, enable_fp_fusion,
             tuple(sorted(metaparams.items())), dump)
 
   def get_or_create(self, backend_init_func, platform, fn, arg_dtypes,
                     scalar_args, **options):
-    """``get_or_create_triton_kernel``: the compile started at trace time,
-    else the original."""
-    key = self.key(platform, fn, arg_dtypes, scalar_args, **options)
+    """``get_or_create_triton_kernel``: the compile started at trace time
+    (taken once: a later request finds jax_triton's own cache, and a
+    failure is not kept), else the original."""
+    try:
+      key = self.key(platform, fn, arg_dtypes, scalar_args, **options)
+    except TypeError:   # (a jax_triton whose arguments moved: its own path)
+      key = None
     with self.lock:
-      future = self.pending.get(key)
+      future = self.pending.pop(key, None)
     if future is not None:
       return future.result()
     return self.compile(backend_init_func, platform, fn, arg_dtypes,
@@ -242,10 +251,11 @@ class CompileAhead:
       elif isinstance(a, np.float32):
         scalar_args.append((i, get_type(a), float(a)))
         arg_dtypes.append(get_type(a))
-      else:
-        arg_dtypes.append(get_type(jax.core.ShapedArray(a.shape, a.dtype)))
-    arg_dtypes += [get_type(jax.core.ShapedArray(s.shape, s.dtype))
-                   for s in shapes]
+      else:   # (jax binds a numpy float64 array as float32)
+        arg_dtypes.append(get_type(jax.core.ShapedArray(
+            a.shape, jax.dtypes.canonicalize_dtype(a.dtype))))
+    arg_dtypes += [get_type(jax.core.ShapedArray(
+        s.shape, jax.dtypes.canonicalize_dtype(s.dtype))) for s in shapes]
     options = dict(num_warps=num_warps, num_stages=num_stages, num_ctas=1,
                    compute_capability=None,
                    enable_fp_fusion=enable_fp_fusion,

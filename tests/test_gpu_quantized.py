@@ -114,18 +114,22 @@ def test_lowering_takes_the_triton_compiles_started_at_trace(monkeypatch):
   compile-ahead workers, started while the call traces; jax_triton's
   lowering asks for exactly those (a key that differed would compile
   again on the lowering's thread)."""
+  import sys
   import threading
   from pallas_kernels import triton_call
   ahead = triton_call._compile_ahead()   # pylint: disable=protected-access
+  lib = sys.modules[triton_call.jax_triton().__name__ + ".triton_lib"]
+  # empty caches: every kernel compiles here, whatever ran before
+  monkeypatch.setattr(lib, "_COMPILED_KERNEL_CACHE", {})
+  monkeypatch.setattr(ahead, "pending", {})
   threads = []
-  compile_ = ahead.compile
+  compile_ttir = lib.compile_ttir_inplace   # (jax_triton's compile proper)
 
   def spy(*args, **kwargs):
     threads.append(threading.current_thread().name)
-    return compile_(*args, **kwargs)
+    return compile_ttir(*args, **kwargs)
 
-  monkeypatch.setattr(ahead, "compile", spy)
-  # (a length and head count no other test takes: every kernel is new)
+  monkeypatch.setattr(lib, "compile_ttir_inplace", spy)
   q = jnp.ones((1, 1037, 6, 128), jnp.float16)
   kv = jnp.ones((1, 1037, 3, 128), jnp.float16)
   for method in ("sage", "fp8"):

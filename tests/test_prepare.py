@@ -736,35 +736,46 @@ def _lowering_request(lib, kernel, arrays, scalars, outs, constexprs,
 
 def test_compile_ahead_serves_the_lowering_from_the_trace_time_compile():
   """A launch's compile starts on a worker at trace time, once per kernel
-  and arguments; the lowering's request with the same arguments takes its
-  result, a different request compiles on its own, and a failed compile
-  raises at the lowering."""
+  and arguments (a scalar by type and whether it is 1, as jax_triton
+  specialises); the lowering's request with the same arguments takes its
+  result once, later and different requests compile on their own (in
+  jax_triton: its cache), and a failed compile raises at the lowering."""
   lib = _FakeTritonLib()
   ahead = triton_call.CompileAhead(lib, workers=2)
   x = jax.ShapeDtypeStruct((4, 64), jnp.float16)
   out = jax.ShapeDtypeStruct((4, 64), jnp.int8)
-  args = (x, 3, np.float32(0.5), x, True)
   constexprs = dict(BLOCK=16, ASM=False)
-  for _ in range(2):   # (the same launch traced twice compiles once)
-    ahead.submit("kernel", args, (out,), 4, 2, False, constexprs)
-  scalars = [(1, "i32", 3), (2, "fp32", 0.5), (4, "B", True)]
+  for n in (3, 5):   # (traced twice, another value: one compile)
+    ahead.submit("kernel", (x, n, np.float32(0.5), x, True), (out,), 4, 2,
+                 False, constexprs)
+  scalars = [(1, "i32", 5), (2, "fp32", 0.5), (4, "B", True)]
   got = _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
                           num_warps=4)
   assert got == ("kernel", ("*float16", "i32", "fp32", "*float16", "B",
-                            "*int8"), tuple(scalars),
+                            "*int8"), ((1, "i32", 3), (2, "fp32", 0.5),
+                                       (4, "B", True)),
                  dict(num_warps=4, num_stages=2, num_ctas=1,
                       compute_capability=None, enable_fp_fusion=False,
                       metaparams=dict(ASM=False, BLOCK=16), dump=False))
   assert len(lib.threads) == 1
   assert lib.threads[0].startswith("jaxattn-triton-compile")
-  # (another configuration: the lowering's own compile, on its thread)
+  here = threading.current_thread().name
+  # taken once; another configuration; a scalar equal to 1 (a constant in
+  # jax_triton's kernel): each compiles on the lowering's thread
+  _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
+                    num_warps=4)
   _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
                     num_warps=8)
-  assert lib.threads[1:] == [threading.current_thread().name]
+  ahead.submit("kernel", (x, 1, np.float32(0.5), x, True), (out,), 4, 2,
+               False, constexprs)
+  ahead.pool.shutdown(wait=True)
+  assert lib.threads[1:3] == [here, here]
+  assert lib.threads[3].startswith("jaxattn-triton-compile")
 
   lib = _FakeTritonLib(fail=True)
   ahead = triton_call.CompileAhead(lib, workers=1)
-  ahead.submit("kernel", args, (out,), 4, 2, False, constexprs)
+  ahead.submit("kernel", (x, 3, np.float32(0.5), x, True), (out,), 4, 2,
+               False, constexprs)
   with pytest.raises(ValueError, match="TTGIR pass failed"):
     _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
                       num_warps=4)
