@@ -54,10 +54,11 @@ MAX_ROWS_PER_TILE = 64
 # keys, 32/8 heads, D=128.  8-bit, T=1: 0.19-0.22 ms (B=8) and 0.67-0.75
 # (B=32) against 0.30-0.33 and 0.94-1.46 for (32 keys, 2 warps, 4 stages);
 # 4 programs per SM against 8: 0.181-0.198 ms against 0.193-0.206 at B=8,
-# 0.655-0.701 against 0.661-0.709 at B=32.  8-bit, T=16 (64 rows): 0.43 ms at B=8 against
-# 1.04 for the T=1 tile (2 warps spill a 64-row accumulator).  The splits
-# are rounded down to whole waves: 1280 programs (5 splits at B=32, T=1)
-# ran 20-40% slower than 1024.  16-bit: 0.30 / 1.01 ms (T=1).
+# 0.655-0.701 against 0.661-0.709 at B=32.  8-bit, T=16 (64 rows): 0.43 ms
+# at B=8 against 1.04 for the T=1 tile (2 warps spill a 64-row
+# accumulator).  The splits are rounded down to whole waves: 1280 programs
+# (5 splits at B=32, T=1) ran 20-40% slower than 1024.  16-bit: 0.30 /
+# 1.01 ms (T=1).
 DEFAULT_TILES = {(1, False): (64, 2, 5, 4), (1, True): (64, 4, 4, 4),
                  (2, False): (128, 8, 3, 6), (2, True): (128, 8, 3, 6)}
 MIN_KEYS_PER_SPLIT = 256

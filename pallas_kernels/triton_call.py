@@ -245,11 +245,8 @@ class CompileAhead:
     get_type = self.lib.get_triton_type
     arg_dtypes, scalar_args = [], []
     for i, a in enumerate(args):   # (as triton_call splits its arguments)
-      if isinstance(a, (bool, int, float)):
+      if isinstance(a, (bool, int, float, np.float32)):
         scalar_args.append((i, get_type(a), a))
-        arg_dtypes.append(get_type(a))
-      elif isinstance(a, np.float32):
-        scalar_args.append((i, get_type(a), float(a)))
         arg_dtypes.append(get_type(a))
       else:   # (jax binds a numpy float64 array as float32)
         arg_dtypes.append(get_type(jax.core.ShapedArray(
