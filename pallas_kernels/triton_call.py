@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import importlib.abc
 import os
 import sys
 import threading
@@ -268,9 +269,51 @@ class CompileAhead:
 _COMPILE_AHEAD: list = []
 
 
+class _RefusedOnThisThread(importlib.abc.MetaPathFinder):
+  """An import finder that refuses the module ``name`` to the thread that
+  made it; other threads import it as usual."""
+
+  def __init__(self, name: str):
+    self.name, self.thread = name, threading.get_ident()
+
+  def find_spec(self, fullname, path=None, target=None):
+    if fullname == self.name and threading.get_ident() == self.thread:
+      raise ModuleNotFoundError(f"{fullname} is not imported by this "
+                                "thread", name=fullname)
+    return None
+
+
+def init_specialize_without(libtriton, module: str = "torch") -> None:
+  """Runs Triton's one-time set-up of its native argument specialisation
+  (``libtriton.native_specialize_impl``, which jax_triton calls for each
+  compile) with ``module`` refused to this thread.
+
+  That set-up imports torch, only to look up ``torch.Tensor`` for a fast
+  path: about 4 s of a JAX process's first Triton compile on the H200's
+  host, for a class jax never passes, and every compile worker waits on
+  the import.  Without it Triton specialises a torch tensor by its
+  ``data_ptr`` attribute, as it does any tensor type (the same result), so
+  a torch user loses one dict lookup per argument.  A process that has
+  imported ``module`` is left as it is; a set-up that fails leaves the
+  error to the compile that needs it."""
+  specialize = getattr(libtriton, "native_specialize_impl", None)
+  if specialize is None or module in sys.modules:
+    return
+  finder = _RefusedOnThisThread(module)
+  sys.meta_path.insert(0, finder)
+  try:   # (an int argument: the backend is not read)
+    specialize(None, 2, False, False, False)
+  except Exception:  # noqa: BLE001  (the compile raises it again)
+    pass
+  finally:
+    sys.meta_path.remove(finder)
+
+
 def _compile_ahead() -> CompileAhead:
   with _LOCK:
     if not _COMPILE_AHEAD:
+      from triton._C import libtriton   # pylint: disable=import-outside-toplevel
+      init_specialize_without(libtriton)
       _COMPILE_AHEAD.append(CompileAhead(
           sys.modules[jax_triton().__name__ + ".triton_lib"],
           workers=min(8, os.cpu_count() or 1)))

@@ -138,3 +138,22 @@ def test_lowering_takes_the_triton_compiles_started_at_trace(monkeypatch):
   print(f"compiles: {len(threads)}, threads: {sorted(set(threads))}")
   assert len(threads) >= 4
   assert all(t.startswith("jaxattn-triton-compile") for t in threads)
+
+
+def test_first_triton_compile_does_not_import_torch():
+  """A fresh JAX process runs a quantized call (Triton kernels through
+  jax_triton) without importing torch: Triton's specialisation set-up
+  would (4 s of the first call)."""
+  import os
+  import subprocess
+  import sys
+  code = ("import sys, jax, jax.numpy as jnp, jaxattn\n"
+          "q = jnp.ones((1, 256, 4, 64), jnp.float16)\n"
+          "out = jaxattn.dot_product_attention(q, q, q, method='sage')\n"
+          "assert bool(jnp.isfinite(out).all())\n"
+          "print('torch' in sys.modules)\n")
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-c", code], cwd=root,
+                     capture_output=True, text=True, timeout=300)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert r.stdout.strip().splitlines()[-1] == "False", r.stdout

@@ -780,3 +780,40 @@ def test_compile_ahead_serves_the_lowering_from_the_trace_time_compile():
     _lowering_request(lib, "kernel", [x, x], scalars, [out], constexprs,
                       num_warps=4)
   assert len(lib.threads) == 1
+
+
+def test_triton_specialize_set_up_without_torch(tmp_path, monkeypatch):
+  """Triton's native specialisation imports torch in its one-time set-up
+  (4 s of a JAX process's first compile): ``init_specialize_without``
+  runs that set-up with the module refused to its own thread only, puts
+  the import machinery back, and leaves a process that has the module
+  alone."""
+  name = "jaxattn_probe_module"
+  (tmp_path / f"{name}.py").write_text("VALUE = 7\n")
+  monkeypatch.syspath_prepend(str(tmp_path))
+  monkeypatch.delitem(sys.modules, name, raising=False)
+  seen = {}
+
+  class Lib:
+    @staticmethod
+    def native_specialize_impl(backend, arg, is_const, value, align):
+      seen["args"] = (backend, arg, is_const, value, align)
+      try:
+        __import__(name)
+        seen["here"] = "imported"
+      except ImportError:
+        seen["here"] = "refused"
+      other = threading.Thread(
+          target=lambda: seen.update(other=__import__(name).VALUE))
+      other.start()
+      other.join()
+      return ("i32", None)
+
+  before = list(sys.meta_path)
+  triton_call.init_specialize_without(Lib, name)
+  assert seen == dict(args=(None, 2, False, False, False), here="refused",
+                      other=7)
+  assert sys.meta_path == before
+  seen.clear()   # the module is imported now (by the other thread)
+  triton_call.init_specialize_without(Lib, name)
+  assert seen == {}
