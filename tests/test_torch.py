@@ -587,7 +587,10 @@ def test_outputs_follow_the_inputs_memory_order(compiled, mha):
   for got, ref in zip(grads, want_grads):
     assert ref.is_contiguous()
     assert got.shape == ref.shape and got.transpose(1, 2).is_contiguous()
-    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
+    # (the backward of a permuted layout is another XLA program: its float32
+    # sums may round apart by a few ulps, as they did on a CPU without
+    # AVX-512: 1.8e-7 on a gradient of 0.07)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("mask", ["permuted", "transposed_2d"])
