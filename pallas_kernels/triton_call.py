@@ -312,7 +312,10 @@ def init_specialize_without(libtriton, module: str = "torch") -> None:
 def _compile_ahead() -> CompileAhead:
   with _LOCK:
     if not _COMPILE_AHEAD:
-      from triton._C import libtriton   # pylint: disable=import-outside-toplevel
+      try:
+        from triton._C import libtriton   # pylint: disable=import-outside-toplevel
+      except ImportError:   # (a Triton built otherwise: nothing to set up)
+        libtriton = None
       init_specialize_without(libtriton)
       _COMPILE_AHEAD.append(CompileAhead(
           sys.modules[jax_triton().__name__ + ".triton_lib"],
