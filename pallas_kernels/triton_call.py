@@ -312,8 +312,8 @@ def init_specialize_without(libtriton, module: str = "torch") -> None:
 def _compile_ahead() -> CompileAhead:
   with _LOCK:
     if not _COMPILE_AHEAD:
-      try:
-        from triton._C import libtriton   # pylint: disable=import-outside-toplevel
+      try:   # pylint: disable-next=import-outside-toplevel
+        from triton._C import libtriton
       except ImportError:   # (a Triton built otherwise: nothing to set up)
         libtriton = None
       init_specialize_without(libtriton)
