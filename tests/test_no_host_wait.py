@@ -24,6 +24,7 @@ from unittest import mock
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 import pytest
 from jax.extend import core as jcore
@@ -39,13 +40,19 @@ OPAQUE = {"pallas_call", "mpmd_map", "core_map", "call_hi_primitive",
 
 
 def _branches_outside_kernels(closed_jaxpr):
-  """The ``cond`` and ``while`` equations of the jaxpr outside kernels."""
+  """The ``cond`` and ``while`` equations of the jaxpr outside kernels,
+  but for ``lax.platform_dependent``'s switches: lowering keeps the
+  branch of the platform it lowers for (quant.reciprocal's)."""
   found = []
 
   def walk(jaxpr):
+    platform = {v for eqn in jaxpr.eqns
+                if eqn.primitive.name == "platform_index"
+                for v in eqn.outvars}
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
-      if name in ("cond", "while"):
+      by_platform = name == "cond" and eqn.invars[0] in platform
+      if name in ("cond", "while") and not by_platform:
         found.append(f"{name}: {str(eqn)[:160]}")
       if name in OPAQUE:
         continue
@@ -90,13 +97,23 @@ def _gpu_module(f, *args) -> str:
 
 
 def _data_dependent_branches(text: str):
-  """What of the StableHLO module could make the host wait: ``case`` and
-  ``if`` (``lax.cond``, ``lax.switch``), and ``while`` loops whose
+  """What of the StableHLO module could make the host wait: ``case`` on a
+  value computed at run time and ``if`` (``lax.cond``, ``lax.switch``),
+  and ``while`` loops whose
   condition is more than a counter against a constant (``lax.scan`` and a
   ``fori_loop`` of static length lower to those, and XLA runs them without
   reading the predicate back)."""
-  found = [m for m in ("stablehlo.case", "stablehlo.if", "mhlo.case",
-                       "mhlo.if") if m in text]
+  found = [m for m in ("stablehlo.if", "mhlo.case", "mhlo.if") if m in text]
+  for func in text.split("func.func")[1:]:
+    # lax.platform_dependent's switch: a case on a constant (the platform's
+    # index), or on such a case's result, which XLA folds when it compiles
+    static = set(re.findall(r"(%[\w#]+) = stablehlo\.constant", func))
+    for out, index in re.findall(
+        r"(%[\w#]+)(?::\d+)? = \"stablehlo\.case\"\((%[\w#]+)\)", func):
+      if index in static:
+        static.add(out)
+      else:
+        found.append(f"stablehlo.case on {index}")
   for cond in re.findall(r"stablehlo\.while\(.*?\n\s*cond \{\n(.*?)\} do \{",
                          text, flags=re.S):
     ops = [line.split("=", 1)[-1].split()[0] for line in cond.splitlines()
@@ -105,6 +122,23 @@ def _data_dependent_branches(text: str):
                         "stablehlo.return"}:
       found.append("while: " + cond.strip()[:300])
   return found
+
+
+def test_the_checks_find_run_time_branches_and_pass_platform_switches():
+  """The two checks above flag a ``lax.switch`` on a computed index and a
+  ``while`` on a computed predicate, and pass a ``lax.platform_dependent``
+  switch (a case on the platform's constant index after lowering)."""
+  x = jnp.ones(3)
+  by_value = lambda x: lax.switch((x.sum() > 0).astype(jnp.int32),
+                                  [jnp.sin, jnp.cos], x)
+  by_loop = lambda x: lax.while_loop(lambda c: c.sum() < 10.0,
+                                     lambda c: c * 2.0, x)
+  by_platform = lambda x: lax.platform_dependent(x, cpu=jnp.sin,
+                                                 default=jnp.cos)
+  for f, found in ((by_value, True), (by_loop, True), (by_platform, False)):
+    text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
+    assert bool(_branches_outside_kernels(jax.make_jaxpr(f)(x))) == found
+    assert bool(_data_dependent_branches(text)) == found
 
 
 SHAPE = (1, 192, 2, 64)   # B, T, N, D

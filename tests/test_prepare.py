@@ -461,12 +461,13 @@ def test_rows_operand_flags_only_nonfinite_inputs():
 
 
 def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
-  """quant.reciprocal corrects the division by up to two ulps with an exact
-  integer midpoint test: XLA's float32 division on the GPU is not correctly
-  rounded (on an H100 about 14% of 1/s one ulp off), the kernels' div.rn
-  is.  Here the
-  guess is the exact quotient moved by -2..2 ulps, and the plain function
-  matches numpy's IEEE division, signs, zeros and powers of two included."""
+  """quant.reciprocal is IEEE's 1/s with 1/0 := 0, signs, zeros and powers
+  of two included.  A CPU program divides (XLA:CPU's division is correctly
+  rounded); the GPU form corrects the division by up to two ulps with an
+  exact integer midpoint test (XLA's float32 division on the GPU is not
+  correctly rounded: on an H100 about 14% of 1/s one ulp off; the kernels'
+  div.rn is).  Both forms run here, and the correction recovers the exact
+  quotient from guesses moved by -2..2 ulps."""
   rng = np.random.default_rng(0)
   s = np.concatenate([
       np.abs(rng.standard_normal(20000)).astype(np.float32) * 0.03 + 1e-3,
@@ -478,14 +479,10 @@ def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
   exact = np.where(s == 0, 0, np.float32(1) / np.where(s == 0, 1, s))
   np.testing.assert_array_equal(np.asarray(jax.jit(quant.reciprocal)(s)),
                                 exact.astype(np.float32))
-
-  def correct(s, u):
-    for _ in range(2):
-      up = jnp.nextafter(u, jnp.float32(jnp.inf))
-      down = jnp.nextafter(u, jnp.float32(0))
-      u = jnp.where(quant._above_next_midpoint(s, u), up,
-                    jnp.where(quant._above_next_midpoint(s, down), u, down))
-    return u
+  nonzero = s[s != 0]
+  np.testing.assert_array_equal(
+      np.asarray(jax.jit(quant._correctly_rounded_reciprocal)(nonzero)),
+      (np.float32(1) / nonzero).astype(np.float32))
   pos = s[s > 0]
   want = (np.float32(1) / pos).astype(np.float32)
   for k in (-2, -1, 1, 2):
@@ -493,7 +490,8 @@ def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
     for _ in range(abs(k)):
       guess = np.nextafter(guess, np.float32(np.inf if k > 0 else 0))
     np.testing.assert_array_equal(
-        np.asarray(jax.jit(correct)(pos, guess.astype(np.float32))), want)
+        np.asarray(jax.jit(quant.correct_reciprocal)(
+            pos, guess.astype(np.float32))), want)
 
 
 def test_column_stats_sum_max_min_over_visible_finite_keys():
