@@ -46,11 +46,14 @@ _CACHE_PREFIX = "jaxattn-jit-cache-"
 # CI: a method that is another's kernel with other dtype flags (fp16_fp32
 # and fp16 are fp32's; int8's and fmha_int8's nonfinite handling is sage's;
 # a float16 cache reads alike for fp32 and PASA), a quantizer
-# option on a second shape, or a second case of a feature (the window's
-# edge cases are the bounds' code, which fp32's cells run; int8's and
-# fp8's index masks are sage's kernel; the reference's non-finite rule is
-# one function for every method).  The lists are
-# checked against what is collected, so a renamed cell fails the run.
+# option or a kernel on a second shape, a second case of a feature (the
+# window's edge cases are the bounds' code, which fp32's cells and
+# test_float32_matches_jax_nn run; int8's and fp8's index masks are sage's
+# kernel; the reference's non-finite rule is one function for every
+# method), a second method through one shared piece (every method's
+# gradient is grad.py's one backward; the torch shim and the Flax layers
+# pass a method through), or a second dtype through one cast.  The lists
+# are checked against what is collected, so a renamed cell fails the run.
 EXTENDED_CELLS = {
     "tests/test_no_host_wait.py::test_the_runtime_factor_with_a_bias_and_the_log_sum_exp":
         ["running-reference", "per_block-triton"],
@@ -59,18 +62,19 @@ EXTENDED_CELLS = {
          "reference-nearest", "triton-nearest", "reference-running",
          "triton-running"],
     "tests/test_no_host_wait.py::test_nonfinite_inputs_with_segment_ids":
-        ["triton-pasa", "mosaic-pasa"],
+        ["triton-pasa", "mosaic-pasa", "reference-int8"],
     "tests/test_api.py::test_nonfinite_reaches_the_rows_it_reaches_in_float32":
-        ["triton-fp16_fp32", "triton-fp16", "triton-int8",
-         "mosaic-fp16_fp32", "mosaic-int8", "mosaic-fmha_int8",
-         "triton-fmha_int8", "reference-int8", "reference-fmha_int8",
-         "reference-fp8", "mosaic-fp8", "mosaic-pasa", "mosaic-sage"],
+        ["triton-fp16_fp32", "triton-fp16", "triton-int8", "mosaic-fp16_fp32",
+         "mosaic-int8", "mosaic-fmha_int8", "triton-fmha_int8",
+         "reference-int8", "reference-fmha_int8", "reference-fp8",
+         "mosaic-fp8", "mosaic-pasa", "mosaic-sage"],
     "tests/test_flash_pasa.py::test_pasa_is_fp16_fp32_where_no_block_is_shifted":
         ["hybrid-10.0-mosaic", "uniform-0.5-mosaic", "uniform-0.5-triton"],
     "tests/test_grad.py::test_gradient_and_residual_in_one_call":
         ["fp16_fp32-mosaic", "int8-mosaic", "fmha_int8-mosaic", "fp32-mosaic",
-         "fp16_fp32-triton", "fp16-triton", "int8-triton",
-         "fmha_int8-triton"],
+         "fp16_fp32-triton", "fp16-triton", "int8-triton", "fmha_int8-triton",
+         "fp16_fp32-reference", "fmha_int8-reference", "fp8-reference",
+         "int8-reference", "pasa-reference", "fp16-reference"],
     "tests/test_index_mask.py::test_triton_kernels_match_reference_with_dense_mask":
         ["fp16_fp32-bottom_right_lengths",
          "fp16_fp32-bottom_right_window_segments",
@@ -79,7 +83,11 @@ EXTENDED_CELLS = {
          "fmha_int8-bottom_right_window_segments",
          "int8-packed_causal_window", "int8-bottom_right_window_segments",
          "sage-window_1", "sage-window_wider_than_sequence",
-         "sage-window_lengths"],
+         "sage-window_lengths", "sage-bottom_right_window_segments",
+         "sage-bottom_right_lengths", "pasa-packed_causal_window",
+         "pasa-bottom_right_lengths", "fp16-packed_causal_window",
+         "fp16_fp32-packed_causal_window", "fp32-window_1",
+         "fp32-window_lengths", "fp32-window_wider_than_sequence"],
     "tests/test_pallas_quantized.py::test_kernel_matches_reference":
         ["(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage2-4b'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-sage-{'preset': 'sage1'}-0.0001",
@@ -87,7 +95,8 @@ EXTENDED_CELLS = {
          "'qk_dtype': 'int4'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-int8-{'v_granularity': 'block'}-0.0001",
          "(1, 200, 300, 2, 2, 64, True)-int8-{'pv_dtype': 'fp16'}-0.001",
-         "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005"],
+         "(1, 200, 300, 2, 2, 64, True)-fmha_int8-{}-0.005",
+         "(2, 70, 150, 4, 2, 96, False)-sage-{'preset': 'sage2-4b'}-0.0001"],
     "tests/test_mosaic.py::test_mosaic_one_warpgroup_equals_two":
         ["fp8", "fmha_int8", "sage", "fp32"],
     "tests/test_sage.py::test_calls_beyond_the_bias_limit_run_by_query_chunks":
@@ -95,26 +104,32 @@ EXTENDED_CELLS = {
     "tests/multidevice_cases.py::test_ring_attention_every_method":
         ["fp16_fp32-reference-False", "fp16-reference-False",
          "int8-reference-False", "fmha_int8-reference-False",
-         "pasa-reference-False", "sage-reference-False"],
+         "pasa-reference-False", "sage-reference-False",
+         "fp32-reference-False"],
     "tests/test_mosaic.py::test_mosaic_256_key_blocks_match_reference":
         ["fmha_int8", "int8"],
     "tests/multidevice_cases.py::test_batch_and_head_sharding_is_shard_local":
-        ["reference-fp16", "reference-fp16_fp32"],
+        ["reference-fp16", "reference-fp16_fp32", "reference-fp8"],
     "tests/test_mosaic.py::test_mosaic_pads_head_dims_to_its_tiles":
         ["fp32-{}-96", "pasa-{}-96", "fp8-{}-80"],
     "tests/test_mosaic.py::test_mosaic_interpreted_matches_reference":
-        ["fp16_fp32-{}", "sage-{'preset': 'sage1'}", "int8-{'pv_dtype': 'fp16'}"],
+        ["fp16_fp32-{}", "sage-{'preset': 'sage1'}",
+         "int8-{'pv_dtype': 'fp16'}",
+         "int8-{'v_granularity': 'block', 'block_k': 128}",
+         "fp8-{'granularity': 'block', 'block_k': 128}"],
     "tests/test_mosaic.py::test_mosaic_index_mask_matches_dense_mask_reference":
-        ["fp32-segments", "pasa-window", "fp8-segments", "sage-segments"],
+        ["fp32-segments", "pasa-window", "fp8-segments", "sage-segments",
+         "fp32-window"],
     "tests/test_mosaic.py::test_mosaic_log_sum_exp":
-        ["fp16-fp16-True", "fp8-fp8-True"],
+        ["fp16-fp16-True", "fp8-fp8-True", "int8-int8-False"],
     "tests/test_prepare.py::test_fused_qk_equals_xla_quantizers":
         ["sage-{'qk_granularity': 'token', 'smooth_v': False}-{}",
          "sage-{'qk_granularity': 'block'}-{}",
          "sage-{'preset': 'sage1'}-{'d': 96}",
-         "fp8-{'granularity': 'block'}-{}"],
+         "fp8-{'granularity': 'block'}-{}",
+         "sage-{'block_k': 128, 'block_q': 64, 'warp_rows': 16}-{'t': 129}"],
     "tests/test_mosaic.py::test_mosaic_call_without_key_lengths_compiles_no_masked_step":
-        ["fp8"],
+        ["fp8", "fp32"],
     "tests/test_mosaic.py::test_mosaic_exponent_flag_runs_each_static_form":
         ["fp8"],
     "tests/test_mosaic.py::test_mosaic_row_amax_is_the_written_rows_max":
@@ -126,10 +141,11 @@ EXTENDED_CELLS = {
     "tests/test_paged.py::test_kernel_matches_reference":
         ["fp32-float16", "int8-nosmooth"],
     "tests/test_paged.py::test_paged_equals_dense_bit_for_bit":
-        ["pasa-float16"],
+        ["pasa-float16", "int8-nosmooth", "fp32-float16"],
     "tests/test_prepare.py::test_sage_inputs_equal_reference":
         ["{'qk_granularity': 'token'}", "{'qk_granularity': 'block'}",
-         "{'preset': 'sage2-4b'}"],
+         "{'preset': 'sage2-4b'}",
+         "{'smooth_q': False, 'smooth_k': False, 'smooth_v': False}"],
     "tests/test_mosaic.py::test_mosaic_pasa_matches_triton_and_reference":
         ["(True, 150, 200, 200, 64, 64)"],
     "tests/test_flax.py::test_nnx_training_step_loss_falls_as_with_jax_nn":
@@ -144,6 +160,59 @@ EXTENDED_CELLS = {
         ["reference"],
     "tests/test_flash_pasa.py::test_every_method_at_the_extreme_head_dims":
         ["32"],
+    "tests/multidevice_cases.py::test_gradients_stay_shard_local":
+        ["spec1"],
+    "tests/multidevice_cases.py::test_sequence_sharding_under_jit_takes_the_ring":
+        ["False"],
+    "tests/multidevice_cases.py::test_ring_attention_gradients_and_lengths":
+        ["contiguous-False"],
+    "tests/test_grad.py::test_gradient_matches_float32_jax_nn":
+        ["int8-reference-bias", "int8-reference-mask",
+         "fmha_int8-reference-bias", "fmha_int8-reference-mask",
+         "fp8-reference-mask", "sage-reference-bias",
+         "fp16_fp32-reference-bias", "fp16_fp32-reference-mask",
+         "fp16-reference-bias"],
+    "tests/test_grad.py::test_triton_backward_kernel_equals_xla_backward":
+        ["37-45-32-False", "50-30-40-True"],
+    "tests/test_pallas_flash.py::test_kernel_matches_reference":
+        ["(1, 37, 37, 2, 2, 64, False)-fp16",
+         "(1, 37, 37, 2, 2, 64, False)-fp16_fp32",
+         "(1, 150, 70, 4, 2, 96, True)-fp16",
+         "(1, 150, 70, 4, 2, 96, True)-fp16_fp32",
+         "(1, 130, 130, 2, 1, 64, True)-pasa"],
+    "tests/test_flash_pasa.py::test_reference_accuracy_vs_float64":
+        ["int8-causal_pad", "fp8-causal_pad", "pasa-causal_pad",
+         "fmha_int8-causal_pad", "fp16_fp32-causal_pad", "fp16-causal_pad",
+         "fp16-full", "fp16_fp32-full"],
+    "tests/test_prepare.py::test_kernel_inputs_v_equals_reference_transposed":
+        ["int8-{'v_granularity': 'block'}",
+         "fp8-{'granularity': 'block', 'block_k': 128}"],
+    "tests/test_torch.py::test_outputs_follow_the_inputs_memory_order":
+        ["eager-gqa", "compiled-mha_s_eq_t"],
+    "tests/test_index_mask.py::test_gradients_match_the_dense_mask":
+        ["reference-window_lengths", "reference-bottom_right_window_segments"],
+    "tests/test_no_host_wait.py::test_default_calls_have_no_branch_outside_the_kernels":
+        ["pasa-mosaic-False", "pasa-triton-False", "pasa-reference-False"],
+    "tests/test_prepare.py::test_rows_operand_tile_mean_is_the_query_block_mean":
+        ["False-None"],
+    "tests/test_int8_fmha_fp8.py::test_causal_padding_bias_and_numpy_emulation":
+        ["fp8_block"],
+    "tests/test_no_host_wait.py::test_nonfinite_rows_with_segments_equal_the_dense_rule":
+        ["True-None", "False-window2"],
+    "tests/test_api.py::test_quantized_methods_propagate_nonfinite":
+        ["int8-reference", "fp8-reference", "fmha_int8-reference"],
+    "tests/test_flash_pasa.py::test_pasa_float64_equals_attention_to_1e_10":
+        ["0.3", "0.9"],
+    "tests/test_torch.py::test_methods_match_jaxattn_float16":
+        ["pasa", "fp16"],
+    "tests/test_torch.py::test_autograd_matches_sdpa":
+        ["HND-int8", "NHD-int8"],
+    "tests/test_api.py::test_output_dtype_is_query_dtype":
+        ["pasa-bfloat16", "int8-bfloat16", "pasa-float32"],
+    "tests/test_flax.py::test_nnx_layer_matches_flax_default":
+        ["sage-bfloat16", "fp32-bfloat16"],
+    "tests/test_flax.py::test_linen_layer_matches_flax_default":
+        ["sage-bfloat16", "fp32-bfloat16"],
 }
 
 
