@@ -90,12 +90,17 @@ CHUNK_ROWS = 32
 V_TILES = {"int8": (64, 8), "float8_e4m3fn": (128, 4)}
 INTERPRET_TILES = (128, (128, 4))   # rows; V's (keys per tile, warps)
 # Warps of the rows pass: 4, or 8 where a step holds more than 64 x 128
-# values (its chunk of rows) and for the key pass with the bias (at 4 a
-# 128 x 128 float32 tile takes all 255 registers).  The query-block means'
-# pass in 32-row chunks on 4 warps: 66.0 -> 57.9 us at 4x2048x32x128 (H200,
-# against 64 rows on 8).
+# values (its chunk of rows).  The query-block means' pass in 32-row chunks
+# on 4 warps: 66.0 -> 57.9 us at 4x2048x32x128 (H200, against 64 rows on
+# 8).  The key pass with the bias: 8, or 4 where it has at most
+# BIAS_FEW_ROWS query means (at 4 its 128 x 128 float32 tile takes all 255
+# registers, which pays only where the products are few).  H200, the pass
+# at 8 -> 4 warps, sage's query blocks of 128: 4x2048x32x128 causal (16
+# means) 100 -> 77 us; 8x1024 GQA 32/8 (32) 25.2 -> 27.1; 2x4096x24x64
+# (32) 35.1 -> 34.7; 2x8192x32x128 causal (64) 234 -> 244.
 ROWS_WARPS = 4
 LARGE_TILE_WARPS = 8
+BIAS_FEW_ROWS = 16
 # Query means per product of the key pass's bias: 16 (mma.sync) keeps the
 # key pass at 128 registers on 8 warps, two CTAs an SM (64, wgmma: 162
 # registers, one CTA; Triton 3.6); 32 took 71 -> 108 us at 4x2048x32x128
@@ -801,7 +806,8 @@ def rows_pass(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
       outputs=(jax.ShapeDtypeStruct(x.shape, dtype), per_row, extra,
                jax.ShapeDtypeStruct((b, n_rows, h), jnp.bool_)
                if flag_nonfinite else None),
-      warps=num_warps or (LARGE_TILE_WARPS
+      warps=num_warps or (ROWS_WARPS if 0 < r <= BIAS_FEW_ROWS
+                          else LARGE_TILE_WARPS
                           if r or chunk * _dim_block(d) > 64 * 128
                           else ROWS_WARPS),
       finish=finish)
@@ -837,10 +843,12 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
 
   ``block`` (rows per tile, a power of two; default ``max(ROWS_TILE,
   group)`` on the GPU, 128 with the bias or in the interpreter),
-  ``num_warps`` (default :data:`ROWS_WARPS`, :data:`LARGE_TILE_WARPS` with
-  the bias or a ``chunk`` of more than 64 x 128), ``bias_chunk`` (query-mean
-  rows per bias product: 16, 32, 64 or 128; default :data:`BIAS_CHUNK`)
-  and ``chunk`` (rows shifted, scaled and stored at once, a power of two
+  ``num_warps`` (default :data:`ROWS_WARPS`, :data:`LARGE_TILE_WARPS`
+  with more than :data:`BIAS_FEW_ROWS` bias rows or a ``chunk`` of more
+  than 64 x 128),
+  ``bias_chunk`` (query-mean rows per bias product: 16, 32, 64 or 128;
+  default :data:`BIAS_CHUNK`) and ``chunk`` (rows shifted, scaled and
+  stored at once, a power of two
   dividing ``block`` into whole groups; default :data:`CHUNK_ROWS` or one
   group with ``shift="tile_mean"`` on the GPU, which then reads the tile
   twice, else the whole tile) are speed knobs.  They leave the values as

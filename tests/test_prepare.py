@@ -588,6 +588,22 @@ def test_operands_take_one_launch_per_kind_of_pass(method, opts, launches,
   assert len(compiled) == launches and all(c.asm["cubin"] for c in compiled)
 
 
+def test_key_pass_with_few_bias_rows_takes_fewer_warps():
+  """The key pass with the bias runs on 4 warps with at most
+  ``BIAS_FEW_ROWS`` query means (sage's 4x2048 MHA: 16), on 8 with more
+  (8x1024 GQA 32/8: 32), unless the caller gives its warps."""
+  k = jax.ShapeDtypeStruct((2, 256, 2, 128), jnp.float16)
+  lens = jnp.full((2,), 256, jnp.int32)
+  def warps(rows, **kw):
+    bias_q = jnp.zeros((2, 2, rows, 128), jnp.float32)
+    return quantizers.rows_pass(k, lens, group=128, dtype=jnp.int8,
+                                bias_q_mean=bias_q, **kw).warps
+  few = quantizers.BIAS_FEW_ROWS
+  assert warps(few) == quantizers.ROWS_WARPS == 4
+  assert warps(2 * few) == quantizers.LARGE_TILE_WARPS == 8
+  assert warps(few, num_warps=8) == 8
+
+
 def test_run_passes_shares_launches_by_kind_and_warps(monkeypatch):
   """:func:`quantizers.run_passes`: on the GPU, passes of one kind and warp
   count share a launch (programs take their roles by program id), other
