@@ -41,17 +41,15 @@ OPAQUE = {"pallas_call", "mpmd_map", "core_map", "call_hi_primitive",
 
 def _branches_outside_kernels(closed_jaxpr):
   """The ``cond`` and ``while`` equations of the jaxpr outside kernels,
-  but for ``lax.platform_dependent``'s switches: lowering keeps the
-  branch of the platform it lowers for (quant.reciprocal's)."""
+  but for ``lax.platform_dependent``'s switches (``branches_platforms``):
+  lowering keeps the branch of the platform it lowers for
+  (quant.reciprocal's)."""
   found = []
 
   def walk(jaxpr):
-    platform = {v for eqn in jaxpr.eqns
-                if eqn.primitive.name == "platform_index"
-                for v in eqn.outvars}
     for eqn in jaxpr.eqns:
       name = eqn.primitive.name
-      by_platform = name == "cond" and eqn.invars[0] in platform
+      by_platform = eqn.params.get("branches_platforms") is not None
       if name in ("cond", "while") and not by_platform:
         found.append(f"{name}: {str(eqn)[:160]}")
       if name in OPAQUE:
@@ -96,24 +94,49 @@ def _gpu_module(f, *args) -> str:
       pytest.skip(f"the GPU lowering needs {e.name} here")
 
 
+_CONST_I32 = re.compile(r"\s*(%[\w#]+) = stablehlo\.constant dense<-?\d+> : "
+                        r"tensor<i32>$")
+_CASE = re.compile(r"\s*(%[\w#]+)(?::\d+)? = \"stablehlo\.case\"\((%[\w#]+)\)")
+
+
+def _platform_switches(lines) -> set:
+  """The lines of ``lax.platform_dependent``'s switches as jax lowers them
+  for one platform: a case on the int32 constant of the line above, whose
+  branches return int32 constants (the platform's branch index), then, on
+  the line after it closes, the case on its result.  XLA folds both."""
+  lines_ok = set()
+  for i, line in enumerate(lines[1:], 1):
+    case, const = _CASE.match(line), _CONST_I32.match(lines[i - 1])
+    if not (case and const and case.group(2) == const.group(1)):
+      continue
+    j = i + 1
+    while j < len(lines) and (_CONST_I32.match(lines[j])
+                              or lines[j].strip() == "}, {"
+                              or lines[j].strip().startswith(
+                                  "stablehlo.return")):
+      j += 1
+    if j + 1 >= len(lines) or lines[j].strip() != (
+        "}) : (tensor<i32>) -> tensor<i32>"):
+      continue
+    switch = _CASE.match(lines[j + 1])
+    if switch and switch.group(2) == case.group(1):
+      lines_ok.update((i, j + 1))
+  return lines_ok
+
+
 def _data_dependent_branches(text: str):
-  """What of the StableHLO module could make the host wait: ``case`` on a
-  value computed at run time and ``if`` (``lax.cond``, ``lax.switch``),
-  and ``while`` loops whose
-  condition is more than a counter against a constant (``lax.scan`` and a
-  ``fori_loop`` of static length lower to those, and XLA runs them without
-  reading the predicate back)."""
+  """What of the StableHLO module could make the host wait: ``case`` and
+  ``if`` (``lax.cond``, ``lax.switch``) but for ``lax.platform_dependent``'s
+  (:func:`_platform_switches`), and ``while`` loops whose condition is more
+  than a counter against a constant (``lax.scan`` and a ``fori_loop`` of
+  static length lower to those, and XLA runs them without reading the
+  predicate back)."""
   found = [m for m in ("stablehlo.if", "mhlo.case", "mhlo.if") if m in text]
-  for func in text.split("func.func")[1:]:
-    # lax.platform_dependent's switch: a case on a constant (the platform's
-    # index), or on such a case's result, which XLA folds when it compiles
-    static = set(re.findall(r"(%[\w#]+) = stablehlo\.constant", func))
-    for out, index in re.findall(
-        r"(%[\w#]+)(?::\d+)? = \"stablehlo\.case\"\((%[\w#]+)\)", func):
-      if index in static:
-        static.add(out)
-      else:
-        found.append(f"stablehlo.case on {index}")
+  lines = text.splitlines()
+  platform = _platform_switches(lines)
+  found += [f"stablehlo.case: {line.strip()[:80]}"
+            for i, line in enumerate(lines)
+            if _CASE.match(line) and i not in platform]
   for cond in re.findall(r"stablehlo\.while\(.*?\n\s*cond \{\n(.*?)\} do \{",
                          text, flags=re.S):
     ops = [line.split("=", 1)[-1].split()[0] for line in cond.splitlines()
@@ -127,7 +150,8 @@ def _data_dependent_branches(text: str):
 def test_the_checks_find_run_time_branches_and_pass_platform_switches():
   """The two checks above flag a ``lax.switch`` on a computed index and a
   ``while`` on a computed predicate, and pass a ``lax.platform_dependent``
-  switch (a case on the platform's constant index after lowering)."""
+  switch (a case on the platform's constant index after lowering), also
+  beside a switch on a computed index."""
   x = jnp.ones(3)
   by_value = lambda x: lax.switch((x.sum() > 0).astype(jnp.int32),
                                   [jnp.sin, jnp.cos], x)
@@ -135,7 +159,11 @@ def test_the_checks_find_run_time_branches_and_pass_platform_switches():
                                      lambda c: c * 2.0, x)
   by_platform = lambda x: lax.platform_dependent(x, cpu=jnp.sin,
                                                  default=jnp.cos)
-  for f, found in ((by_value, True), (by_loop, True), (by_platform, False)):
+  # both in loop bodies, where MLIR reuses the SSA names of sibling regions
+  both = lambda x: lax.fori_loop(0, 3, lambda i, c: by_value(c), lax.fori_loop(
+      0, 3, lambda i, c: by_platform(c), x))
+  for f, found in ((by_value, True), (by_loop, True), (by_platform, False),
+                   (both, True)):
     text = jax.jit(f).trace(x).lower(lowering_platforms=("cuda",)).as_text()
     assert bool(_branches_outside_kernels(jax.make_jaxpr(f)(x))) == found
     assert bool(_data_dependent_branches(text)) == found
