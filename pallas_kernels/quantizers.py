@@ -843,9 +843,9 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
 
   ``block`` (rows per tile, a power of two; default ``max(ROWS_TILE,
   group)`` on the GPU, 128 with the bias or in the interpreter),
-  ``num_warps`` (default :data:`ROWS_WARPS`, :data:`LARGE_TILE_WARPS`
-  with more than :data:`BIAS_FEW_ROWS` bias rows or a ``chunk`` of more
-  than 64 x 128),
+  ``num_warps`` (default :data:`ROWS_WARPS`; :data:`LARGE_TILE_WARPS`
+  with more than :data:`BIAS_FEW_ROWS` bias rows or, without the bias, a
+  ``chunk`` of more than 64 x 128),
   ``bias_chunk`` (query-mean rows per bias product: 16, 32, 64 or 128;
   default :data:`BIAS_CHUNK`) and ``chunk`` (rows shifted, scaled and
   stored at once, a power of two

@@ -176,14 +176,16 @@ def test_references_do_not_depend_on_xla_optimisation(tmp_path):
   above 0 in one of them: every method's reference gives the same bits at
   XLA's backend optimisation level 0 and the default (level 0 made 10% of
   sage's rows NaN before), finite except where the method overflows by
-  design.  A level the suite's process already runs at is computed here
-  (conftest.py sets 0 on the CPU), the other in a subprocess."""
+  design.  Level 0 is computed here where the process runs at it
+  (conftest.py sets it on the CPU), the default in a subprocess with the
+  process's other flags."""
   opt0 = "--xla_backend_optimization_level=0"
-  here = (opt0 if opt0 in os.environ.get("XLA_FLAGS", "")
-          and jax.default_backend() == "cpu" else None)
+  flags_here = os.environ.get("XLA_FLAGS", "")
+  in_process = opt0 in flags_here and jax.default_backend() == "cpu"
   outs = []
-  for flags in (opt0, ""):
-    if flags == here:
+  for flags in (opt0, flags_here.replace(opt0, "").strip()
+                if in_process else ""):
+    if flags == opt0 and in_process:
       outs.append(references_at_max())
       continue
     env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")

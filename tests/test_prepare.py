@@ -483,6 +483,11 @@ def test_reciprocal_is_correctly_rounded_from_a_two_ulp_guess():
   np.testing.assert_array_equal(
       np.asarray(jax.jit(quant._correctly_rounded_reciprocal)(nonzero)),
       (np.float32(1) / nonzero).astype(np.float32))
+  # the correction is the GPU's branch, not the CPU's
+  lowered = lambda *p: jax.jit(quant.reciprocal).trace(s).lower(
+      lowering_platforms=p).as_text()
+  assert "next_after" in lowered("cuda")
+  assert "next_after" not in lowered("cpu")
   pos = s[s > 0]
   want = (np.float32(1) / pos).astype(np.float32)
   for k in (-2, -1, 1, 2):
