@@ -335,6 +335,18 @@ def pytest_collection_modifyitems(config, items):
     item.add_marker(skip)
 
 
+def pytest_collection_finish(session):
+  """Moves what the imports and the collection made (jax, torch, flax,
+  the test modules) out of the garbage collector's reach, and lets the
+  young generation grow to 50,000 objects before a collection: the
+  collector walked those modules' objects again and again while tests
+  traced, 4-6% of a run's time (docs/design.md, "The CPU suite")."""
+  import gc
+  gc.collect()
+  gc.freeze()
+  gc.set_threshold(50_000, 20, 100)
+
+
 @pytest.fixture
 def poison_allocator():
   """Fills the device allocator with NaN buffers of a shape before a kernel
