@@ -785,6 +785,9 @@ def rows_pass(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
       hw_fp8=not common.interpret(), shift=shift_kind,
       given_scale=scale is not None, bias_rows=r,
       bias_chunk=bias_chunk if r else 0, flags=bool(flag_nonfinite))
+  # (with the bias the chunk is the whole tile: its rows decide)
+  large_tile = (r > BIAS_FEW_ROWS if r
+                else chunk * _dim_block(d) > 64 * 128)
   f32 = jnp.float32
   extra = None
   if r:
@@ -806,10 +809,7 @@ def rows_pass(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
       outputs=(jax.ShapeDtypeStruct(x.shape, dtype), per_row, extra,
                jax.ShapeDtypeStruct((b, n_rows, h), jnp.bool_)
                if flag_nonfinite else None),
-      warps=num_warps or (ROWS_WARPS if 0 < r <= BIAS_FEW_ROWS
-                          else LARGE_TILE_WARPS
-                          if r or chunk * _dim_block(d) > 64 * 128
-                          else ROWS_WARPS),
+      warps=num_warps or (LARGE_TILE_WARPS if large_tile else ROWS_WARPS),
       finish=finish)
 
 
@@ -845,10 +845,9 @@ def rows_operand(x, lens, *, group: int, dtype, bits: int = 8, shift=None,
   group)`` on the GPU, 128 with the bias or in the interpreter),
   ``num_warps`` (default :data:`ROWS_WARPS`; :data:`LARGE_TILE_WARPS`
   with more than :data:`BIAS_FEW_ROWS` bias rows or, without the bias, a
-  ``chunk`` of more than 64 x 128),
-  ``bias_chunk`` (query-mean rows per bias product: 16, 32, 64 or 128;
-  default :data:`BIAS_CHUNK`) and ``chunk`` (rows shifted, scaled and
-  stored at once, a power of two
+  ``chunk`` of more than 64 x 128), ``bias_chunk`` (query-mean rows per
+  bias product: 16, 32, 64 or 128; default :data:`BIAS_CHUNK`) and
+  ``chunk`` (rows shifted, scaled and stored at once, a power of two
   dividing ``block`` into whole groups; default :data:`CHUNK_ROWS` or one
   group with ``shift="tile_mean"`` on the GPU, which then reads the tile
   twice, else the whole tile) are speed knobs.  They leave the values as

@@ -168,6 +168,17 @@ np.save(sys.argv[1], references_at_max())
 """
 
 
+def _references_in_subprocess(xla_flags: str, tmp_path):
+  """:func:`references_at_max` in a CPU process with these XLA flags."""
+  path = tmp_path / f"out{len(list(tmp_path.glob('out*.npy')))}.npy"
+  subprocess.run([sys.executable, "-c", _REFERENCES_AT_MAX, str(path)],
+                 env=dict(os.environ, XLA_FLAGS=xla_flags,
+                          JAX_PLATFORMS="cpu"),
+                 check=True, cwd=pathlib.Path(__file__).parents[1],
+                 capture_output=True, timeout=600)
+  return np.load(path)
+
+
 @pytest.mark.slow
 def test_references_do_not_depend_on_xla_optimisation(tmp_path):
   """At Q, K = +-65504 (base-2 scores ~1e10, where an ulp is ~1000) each
@@ -181,19 +192,13 @@ def test_references_do_not_depend_on_xla_optimisation(tmp_path):
   process's other flags."""
   opt0 = "--xla_backend_optimization_level=0"
   flags_here = os.environ.get("XLA_FLAGS", "")
-  in_process = opt0 in flags_here and jax.default_backend() == "cpu"
-  outs = []
-  for flags in (opt0, flags_here.replace(opt0, "").strip()
-                if in_process else ""):
-    if flags == opt0 and in_process:
-      outs.append(references_at_max())
-      continue
-    env = dict(os.environ, XLA_FLAGS=flags, JAX_PLATFORMS="cpu")
-    path = tmp_path / f"out{len(outs)}.npy"
-    subprocess.run([sys.executable, "-c", _REFERENCES_AT_MAX, str(path)],
-                   env=env, check=True, cwd=pathlib.Path(__file__).parents[1],
-                   capture_output=True, timeout=600)
-    outs.append(np.load(path))
+  if opt0 in flags_here and jax.default_backend() == "cpu":
+    outs = (references_at_max(),
+            _references_in_subprocess(flags_here.replace(opt0, "").strip(),
+                                      tmp_path))
+  else:
+    outs = (_references_in_subprocess(opt0, tmp_path),
+            _references_in_subprocess("", tmp_path))
   for method, level0, default in zip(jaxattn.METHODS, *outs):
     np.testing.assert_array_equal(level0, default, err_msg=method)
     assert np.isfinite(level0).all() or _by_design(method, "max"), method
